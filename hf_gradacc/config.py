@@ -1,0 +1,109 @@
+"""`GradAccConfig`: `TrainingArguments` plus the knobs of exact gradient accumulation."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .errors import GradAccConfigError
+from .loss import HEAD_TYPES, IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
+
+ZERO_REDUCTIONS: tuple[str, ...] = ("per_micro_batch", "per_window")
+FSDP_SYNCS: tuple[str, ...] = ("deferred", "every_micro_batch", "defer_all_reduce")
+
+
+@dataclass
+class GradAccConfig(TrainingArguments):
+    """`TrainingArguments` for :class:`~hf_gradacc.GradAccTrainer`.
+
+    Every `TrainingArguments` field keeps its meaning. A plain `TrainingArguments` also works with
+    `GradAccTrainer`: the fields below then take their defaults.
+
+    Example:
+        ```python
+        from hf_gradacc import GradAccConfig
+
+        args = GradAccConfig(
+            output_dir="out",
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=8,
+            head_type="auto",        # or "causal_lm", "seq2seq", "masked_lm", ...
+            ignore_index=-100,
+        )
+        ```
+
+    On the command line (`HfArgumentParser`), the same fields are flags: `--head_type causal_lm`.
+    """
+
+    head_type: str = field(
+        default="auto",
+        metadata={
+            "help": "Loss family of the model: 'auto' (read from the model class) or one of "
+            + ", ".join(HEAD_TYPES)
+            + ". It decides the denominator: tokens for LM and token heads, samples for sequence classification.",
+        },
+    )
+    ignore_index: int = field(
+        default=IGNORE_INDEX,
+        metadata={"help": "Label value that is not a target and not counted (Hugging Face default: -100)."},
+    )
+    warn_on_plain_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Warn once when an overridden `compute_loss` returns a plain tensor, which GradAccTrainer can "
+            "only treat as a mean over the micro-batch's counted items. Return an `hf_gradacc.LossTerm` instead."
+        },
+    )
+
+    zero_reduction: str = field(
+        default="per_micro_batch",
+        metadata={
+            "help": "DeepSpeed ZeRO-2/3 gradient reduction: 'per_micro_batch' (upstream default: reduce-scatter "
+            "after every micro-batch, less memory) or 'per_window' (one reduction per optimizer step, less "
+            "communication). ZeRO-1 always reduces once per window."
+        },
+    )
+    fsdp_sync: str = field(
+        default="deferred",
+        metadata={
+            "help": "FSDP2 gradient sync: 'deferred' (accumulate unsharded, reduce-scatter once per window: less "
+            "communication, more memory), 'every_micro_batch' (reduce-scatter each micro-batch, sharded grads "
+            "only), 'defer_all_reduce' (HSDP: defer only the cross-replica all-reduce)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        validate_gradacc_args(self)
+
+
+def validate_gradacc_args(args: TrainingArguments) -> None:
+    """Cross-field checks shared by `GradAccConfig.__post_init__` and `GradAccTrainer` (for plain args)."""
+    gas = args.gradient_accumulation_steps
+    if not isinstance(gas, int) or isinstance(gas, bool) or gas < 1:
+        raise GradAccConfigError(f"`gradient_accumulation_steps` ({gas!r}) must be an int >= 1")
+    head_type = getattr(args, "head_type", "auto")
+    if head_type != "auto" and head_type not in HEAD_TYPES:
+        raise GradAccConfigError(f"`head_type` ({head_type!r}) must be 'auto' or one of {HEAD_TYPES}")
+    ignore_index = getattr(args, "ignore_index", IGNORE_INDEX)
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise GradAccConfigError(f"`ignore_index` ({ignore_index!r}) must be an int")
+    for name, choices in (("zero_reduction", ZERO_REDUCTIONS), ("fsdp_sync", FSDP_SYNCS)):
+        value = getattr(args, name, choices[0])
+        if value not in choices:
+            raise GradAccConfigError(f"`{name}` ({value!r}) must be one of {choices}")
+    if getattr(args, "auto_find_batch_size", False):
+        logger.warning(
+            "`auto_find_batch_size=True` shrinks the per-device batch without raising `gradient_accumulation_steps`, "
+            "so the effective batch of each optimizer step changes when it triggers. GradAccTrainer keeps every "
+            "step exact, but the step covers fewer samples after a shrink."
+        )
+    if getattr(args, "average_tokens_across_devices", True) is False:
+        logger.warning(
+            "`average_tokens_across_devices=False` is ignored by GradAccTrainer: the denominator is always counted "
+            "over every micro-batch and every data-parallel rank, which is what makes the step exact."
+        )

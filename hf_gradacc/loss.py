@@ -1,0 +1,176 @@
+"""Sum-reduced losses per head family, and the one normalisation rule.
+
+Every function here takes tensors and ints and returns a SUM over the micro-batch's items, never a mean:
+the mean is only correct once the denominator of the whole optimizer step (all micro-batches, all ranks)
+is known, and that is :func:`normalize`'s job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+HeadType = Literal[
+    "causal_lm",
+    "seq2seq",
+    "masked_lm",
+    "token_classification",
+    "sequence_classification",
+]
+HEAD_TYPES: tuple[str, ...] = (
+    "causal_lm",
+    "seq2seq",
+    "masked_lm",
+    "token_classification",
+    "sequence_classification",
+)
+ProblemType = Literal["single_label_classification", "multi_label_classification", "regression"]
+Denominator = Literal["tokens", "samples"]
+DENOMINATORS: tuple[str, ...] = ("tokens", "samples")
+
+
+@dataclass(frozen=True, slots=True)
+class LossTerm:
+    """A sum-reduced loss and the denominator that turns it into the exact mean of the optimizer step.
+
+    Return one (or a ``dict[str, LossTerm]``) from an overridden ``compute_loss`` and
+    :class:`~hf_gradacc.GradAccTrainer` divides ``total`` by the count summed over every micro-batch of
+    the optimizer step and every data-parallel rank.
+
+    Args:
+        total: a scalar tensor, the SUM of the loss over this micro-batch's items.
+        normalize_by: ``"tokens"`` (labels that are not ``ignore_index``, after the causal shift for
+            causal LMs), ``"samples"`` (rows of the micro-batch with a label), or this micro-batch's own
+            count (an int or a scalar tensor), which the trainer sums over the window and all ranks.
+
+    Example:
+        ```python
+        from hf_gradacc import GradAccTrainer, LossTerm
+        import torch.nn.functional as F
+
+        class MyTrainer(GradAccTrainer):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                labels = inputs.pop("labels")
+                outputs = model(**inputs)
+                total = F.cross_entropy(outputs.logits, labels, reduction="sum")
+                term = LossTerm(total=total, normalize_by="samples")
+                return (term, outputs) if return_outputs else term
+        ```
+    """
+
+    total: torch.Tensor
+    normalize_by: Denominator | int | torch.Tensor = "tokens"
+
+    def __post_init__(self) -> None:
+        if not torch.is_tensor(self.total):
+            raise TypeError(f"`LossTerm.total` must be a tensor, got {type(self.total).__name__}")
+        if self.total.dim() != 0:
+            raise ValueError(
+                f"`LossTerm.total` must be a scalar (a sum over the micro-batch), got shape {tuple(self.total.shape)}"
+            )
+        nb = self.normalize_by
+        if isinstance(nb, str):
+            if nb not in DENOMINATORS:
+                raise ValueError(f"`LossTerm.normalize_by` ({nb!r}) must be one of {DENOMINATORS}, an int or a tensor")
+        elif isinstance(nb, bool) or not isinstance(nb, (int, torch.Tensor)):
+            raise TypeError(f"`LossTerm.normalize_by` must be 'tokens', 'samples', an int or a tensor, got {nb!r}")
+        elif torch.is_tensor(nb) and nb.numel() != 1:
+            raise ValueError(f"`LossTerm.normalize_by` as a tensor must hold one count, got shape {tuple(nb.shape)}")
+
+
+def causal_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Targets of a causal LM: position ``i`` predicts ``labels[i + 1]``; the last position predicts nothing."""
+    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def token_count(targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Number of targets that are not ``ignore_index`` (an int64 scalar tensor)."""
+    return targets.ne(ignore_index).sum()
+
+
+def token_cross_entropy_sum(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """Cross-entropy summed over every target that is not ``ignore_index``.
+
+    ``logits`` is ``(..., num_classes)`` and ``targets`` is ``(...)``, already aligned (shifted for causal
+    LMs). The logits are upcast to float32 as the Hugging Face losses do. With no counted target the result
+    is an exact zero that still depends on ``logits`` (so a backward pass reaches every parameter).
+    """
+    num_classes = logits.shape[-1]
+    return F.cross_entropy(
+        logits.float().reshape(-1, num_classes),
+        targets.reshape(-1).to(logits.device),
+        ignore_index=ignore_index,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+
+
+def sequence_classification_sum(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    problem_type: ProblemType,
+    ignore_index: int = IGNORE_INDEX,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum-reduced sequence-level loss and its sample count, matching the Hugging Face mean per problem type.
+
+    - ``single_label_classification``: cross-entropy summed over rows whose label is not ``ignore_index``.
+    - ``regression``: squared error, averaged over the ``num_labels`` outputs of a row, summed over rows
+      (the Hugging Face ``MSELoss`` is a mean over rows x outputs).
+    - ``multi_label_classification``: binary cross-entropy, averaged over the labels of a row, summed over rows.
+
+    Returns ``(total, num_samples)``.
+    """
+    if problem_type == "single_label_classification":
+        targets = labels.reshape(-1)
+        total = token_cross_entropy_sum(logits, targets, ignore_index, label_smoothing)
+        return total, token_count(targets, ignore_index)
+    if problem_type == "regression":
+        num_outputs = logits.shape[-1]
+        pred = logits.float().reshape(labels.shape[0], -1)
+        target = labels.to(pred.dtype).reshape(labels.shape[0], -1)
+        total = F.mse_loss(pred, target, reduction="sum") / num_outputs
+        return total, torch.tensor(labels.shape[0], device=labels.device)
+    if problem_type == "multi_label_classification":
+        num_outputs = logits.shape[-1]
+        target = labels.to(logits.dtype if logits.is_floating_point() else torch.float32)
+        total = F.binary_cross_entropy_with_logits(logits.float(), target.float(), reduction="sum") / num_outputs
+        return total, torch.tensor(labels.shape[0], device=labels.device)
+    raise ValueError(
+        f"`problem_type` ({problem_type!r}) must be one of 'single_label_classification', "
+        "'multi_label_classification', 'regression'"
+    )
+
+
+def infer_problem_type(num_labels: int, labels: torch.Tensor, problem_type: str | None) -> ProblemType:
+    """The problem type the Hugging Face sequence-classification heads would pick for these labels."""
+    if problem_type is not None:
+        return problem_type  # type: ignore[return-value]
+    if num_labels == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int):
+        return "single_label_classification"
+    return "multi_label_classification"
+
+
+def normalize(total: torch.Tensor, global_count: torch.Tensor | int, dp_world_size: int) -> torch.Tensor:
+    """The single normalisation rule of the project.
+
+    ``total`` is a micro-batch's summed loss, ``global_count`` the denominator summed over every micro-batch
+    of the optimizer step and every data-parallel rank. DDP, FSDP2 and DeepSpeed all AVERAGE gradients over
+    the ``dp_world_size`` ranks, so the loss is multiplied by it to make the reduced gradient a global SUM
+    divided by the global count. Nothing divides by the number of micro-batches.
+    """
+    if torch.is_tensor(global_count):
+        global_count = global_count.to(device=total.device, dtype=total.dtype)
+    return total * dp_world_size / global_count

@@ -1,0 +1,488 @@
+"""`GradAccTrainer`: a drop-in `transformers.Trainer` whose accumulated step equals the full-batch step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers import Trainer
+
+from .backends import Backend, resolve_backend
+from .config import validate_gradacc_args
+from .errors import GradAccDataError, GradAccLossError
+from .heads import detect_head_type, resolve_head_type, unwrap_model
+from .loss import (
+    IGNORE_INDEX,
+    HeadType,
+    LossTerm,
+    causal_targets,
+    infer_problem_type,
+    normalize,
+    sequence_classification_sum,
+    token_cross_entropy_sum,
+)
+from .window import LABEL_KEY, SHIFT_LABELS_KEY, WindowCounts, count_micro_batch, gather_window_counts
+
+logger = logging.getLogger(__name__)
+
+
+class GradAccTrainer(Trainer):
+    """A `transformers.Trainer` whose optimizer step over N micro-batches on W ranks equals one full-batch step.
+
+    It takes the same constructor arguments as `Trainer`; `args` may be a plain `TrainingArguments` or a
+    :class:`~hf_gradacc.GradAccConfig`. For every optimizer step it
+
+    1. prefetches the step's micro-batches and counts the denominator (non-ignored target tokens for LM and
+       token heads, samples for sequence classification) over all of them and all ranks, in one collective;
+    2. computes each micro-batch's loss as a SUM over its items from the logits (so it does not matter whether
+       the model's own loss honours ``num_items_in_batch``, or whether the model is wrapped by PEFT);
+    3. divides by the global count, multiplies by the data-parallel world size, and never divides by the number
+       of micro-batches.
+
+    The logged ``loss`` is the exact token- (or sample-) weighted mean of the step across ranks, and
+    ``grad_norm`` the norm of the exact accumulated gradient. A step whose micro-batches hold no counted item on
+    any rank is skipped with a warning, on every rank alike.
+
+    Overriding ``compute_loss``: return an :class:`~hf_gradacc.LossTerm` (a sum and its denominator) or a
+    ``dict[str, LossTerm]`` for an exact step. A plain tensor is read as a MEAN over the micro-batch's counted
+    items (what ``outputs.loss`` is when the model gets ``num_items_in_batch`` = that local count, which is what
+    GradAccTrainer passes to an overridden ``compute_loss``), and a warning says so once.
+
+    Example:
+        ```python
+        from transformers import AutoModelForSequenceClassification
+        from hf_gradacc import GradAccConfig, GradAccTrainer
+
+        model = AutoModelForSequenceClassification.from_pretrained("bert-base-uncased", num_labels=3)
+        args = GradAccConfig(output_dir="out", per_device_train_batch_size=8, gradient_accumulation_steps=4)
+        trainer = GradAccTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator)
+        trainer.train()
+        ```
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        validate_gradacc_args(self.args)
+        self.ignore_index: int = getattr(self.args, "ignore_index", IGNORE_INDEX)
+        self._requested_head_type: str = getattr(self.args, "head_type", "auto")
+        self._warn_on_plain_loss: bool = getattr(self.args, "warn_on_plain_loss", True)
+        self._custom_compute_loss = type(self).compute_loss is not GradAccTrainer.compute_loss
+        self.head_type: HeadType | None
+        if self._custom_compute_loss:
+            self.head_type = (
+                detect_head_type(self.model) if self._requested_head_type == "auto" else self._requested_head_type  # type: ignore[assignment]
+            )
+        else:
+            self.head_type = resolve_head_type(self.model, self._requested_head_type)
+        if self.args.n_gpu > 1:
+            raise GradAccDataError(
+                f"GradAccTrainer does not support torch.nn.DataParallel over {self.args.n_gpu} GPUs in one process; "
+                "launch one process per GPU (`accelerate launch` / `torchrun`) or set CUDA_VISIBLE_DEVICES."
+            )
+        self.backend: Backend = resolve_backend(self.accelerator, self.args)
+        self.num_skipped_windows = 0
+        self._window: WindowCounts | None = None
+        self._micro_batch_index: int | None = None
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ denominators
+    @property
+    def primary_denominator(self) -> str:
+        """``"samples"`` for sequence classification, ``"tokens"`` for every other head."""
+        return "samples" if self.head_type == "sequence_classification" else "tokens"
+
+    def _problem_type(self, labels: torch.Tensor | None) -> str | None:
+        config = getattr(unwrap_model(self.model), "config", None)
+        if config is None or labels is None:
+            return None
+        return infer_problem_type(getattr(config, "num_labels", 2), labels, getattr(config, "problem_type", None))
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator, num_batches: int, device: torch.device
+    ) -> tuple[list, torch.Tensor | None]:
+        """Prefetch the window's micro-batches and count its denominator over all ranks (one collective).
+
+        Returns the micro-batches and the global count of the primary denominator; the full
+        :class:`~hf_gradacc.window.WindowCounts` is kept in ``self._window``.
+        """
+        batch_samples: list = []
+        for _ in range(num_batches):
+            try:
+                batch_samples.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        head: HeadType = self.head_type or "masked_lm"
+        if self.head_type is None:
+            self._warn_once(
+                "unknown_head",
+                "GradAccTrainer could not tell the model's loss family; 'tokens' are counted on unshifted labels. "
+                "Set `head_type` in GradAccConfig if the model shifts its labels (causal LM).",
+            )
+        counts = [
+            count_micro_batch(
+                batch,
+                head,
+                ignore_index=self.ignore_index,
+                problem_type=self._problem_type(batch.get(LABEL_KEY)) if head == "sequence_classification" else None,
+            )
+            for batch in batch_samples
+        ]
+        self._window = gather_window_counts(counts, self.backend.all_gather, device=device)
+        return batch_samples, torch.tensor(self._window.global_count(self.primary_denominator), device=device)
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> LossTerm | torch.Tensor | tuple[Any, Any]:
+        """The micro-batch's SUM-reduced loss, from the logits, as a :class:`~hf_gradacc.LossTerm`.
+
+        Labels are taken out of the inputs (the model does not compute a loss of its own); seq2seq models get
+        ``decoder_input_ids`` from ``prepare_decoder_input_ids_from_labels``. Outside a training window
+        (evaluation), the mean over the batch's counted items is returned as a tensor, as `Trainer` expects.
+        """
+        inputs = dict(inputs)
+        labels = inputs.pop(LABEL_KEY, None)
+        shift_labels = inputs.pop(SHIFT_LABELS_KEY, None)
+        if labels is None and shift_labels is None:
+            raise GradAccDataError(
+                f"The batch has no `{LABEL_KEY}` (keys: {sorted(inputs)}); GradAccTrainer computes the loss from the "
+                "labels. Have the data collator return `labels`, or override `compute_loss` and return a LossTerm."
+            )
+        if (
+            self.head_type == "seq2seq"
+            and labels is not None
+            and "decoder_input_ids" not in inputs
+            and "decoder_inputs_embeds" not in inputs
+        ):
+            base = unwrap_model(model)
+            if hasattr(base, "prepare_decoder_input_ids_from_labels"):
+                inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
+            else:
+                inputs[LABEL_KEY] = labels  # the model builds its decoder inputs (and a loss we do not use)
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        total = self.sum_loss_from_logits(logits, labels, shift_labels)
+        term = LossTerm(total=total, normalize_by=self.primary_denominator)
+        result: Any = term
+        if self._micro_batch_index is None:  # evaluation / prediction: a plain mean, as Trainer expects
+            count = count_micro_batch(
+                {LABEL_KEY: labels} if shift_labels is None else {LABEL_KEY: labels, SHIFT_LABELS_KEY: shift_labels},
+                self.head_type or "masked_lm",
+                ignore_index=self.ignore_index,
+                problem_type=self._problem_type(labels),
+            ).get(self.primary_denominator)
+            result = total / max(count, 1)
+        return (result, outputs) if return_outputs else result
+
+    def sum_loss_from_logits(
+        self, logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Sum-reduced loss of the trainer's head family (see :mod:`hf_gradacc.loss`)."""
+        smoothing = float(self.args.label_smoothing_factor or 0.0)
+        head = self.head_type
+        if head == "causal_lm":
+            targets = shift_labels if shift_labels is not None else causal_targets(labels, self.ignore_index)
+            return token_cross_entropy_sum(logits, targets, self.ignore_index, smoothing)
+        if head in ("seq2seq", "masked_lm", "token_classification"):
+            return token_cross_entropy_sum(logits, labels, self.ignore_index, smoothing)
+        if head == "sequence_classification":
+            problem_type = self._problem_type(labels)
+            if smoothing and problem_type != "single_label_classification":
+                self._warn_once(
+                    "smoothing",
+                    f"`label_smoothing_factor` ({smoothing}) is ignored for problem type {problem_type!r}.",
+                )
+                smoothing = 0.0
+            total, _ = sequence_classification_sum(logits, labels, problem_type, self.ignore_index, smoothing)
+            return total
+        raise GradAccLossError(f"No built-in loss for head type {head!r}: set `head_type` or return a LossTerm.")
+
+    def _normalized_loss(self, raw: Any) -> torch.Tensor:
+        """Turn what ``compute_loss`` returned into the loss whose gradient is this micro-batch's exact share."""
+        window = self._window
+        assert window is not None and self._micro_batch_index is not None
+        world = self.backend.dp_world_size
+        if isinstance(raw, tuple):
+            raw = raw[0]
+        if isinstance(raw, LossTerm):
+            raw = {"loss": raw}
+        if isinstance(raw, Mapping):
+            loss: torch.Tensor | None = None
+            for name, term in raw.items():
+                if not isinstance(term, LossTerm):
+                    raise GradAccLossError(
+                        f"compute_loss returned a dict whose value {name!r} is a {type(term).__name__}; "
+                        "every value must be an hf_gradacc.LossTerm"
+                    )
+                if not isinstance(term.normalize_by, str):
+                    raise GradAccLossError(
+                        f"LossTerm {name!r} has a custom count ({term.normalize_by!r}); only 'tokens' and 'samples' "
+                        "can be counted before the forward pass in this version. Use one of them."
+                    )
+                global_count = window.global_count(term.normalize_by)
+                if global_count == 0:
+                    self._warn_once(
+                        f"zero_term_{name}",
+                        f"Loss term {name!r} has no counted {term.normalize_by} in this optimizer step on any rank; "
+                        "it is left out of the step (no NaN).",
+                    )
+                    part = term.total * 0.0
+                else:
+                    part = normalize(term.total, global_count, world)
+                loss = part if loss is None else loss + part
+            assert loss is not None
+            return loss
+        if not torch.is_tensor(raw):
+            raise GradAccLossError(
+                f"compute_loss returned a {type(raw).__name__}; return a scalar tensor, an hf_gradacc.LossTerm or a "
+                "dict of LossTerms"
+            )
+        if raw.dim() != 0:
+            raise GradAccLossError(
+                f"compute_loss returned a loss of shape {tuple(raw.shape)}; it must be a scalar. Reduce it with "
+                ".sum() and return hf_gradacc.LossTerm(total=..., normalize_by=...)."
+            )
+        if self._warn_on_plain_loss:
+            self._warn_once(
+                "plain_loss",
+                "compute_loss returned a plain tensor: GradAccTrainer reads it as the MEAN over the micro-batch's "
+                f"counted {self.primary_denominator} (num_items_in_batch is that local count) and re-weights it "
+                "exactly. If it is not such a mean, return hf_gradacc.LossTerm(total=<sum>, normalize_by=...) "
+                "(set `warn_on_plain_loss=False` to silence this).",
+            )
+        local = window.micro_batches[self._micro_batch_index].get(self.primary_denominator)
+        global_count = window.global_count(self.primary_denominator)
+        if local == 0:
+            if not bool(torch.isfinite(raw)):
+                raise GradAccLossError(
+                    "compute_loss returned a non-finite mean for a micro-batch with no counted item. Return "
+                    "hf_gradacc.LossTerm(total=<sum>, ...), whose sum is 0 for an empty micro-batch."
+                )
+            return raw * 0.0
+        return normalize(raw * local, global_count, world)
+
+    # ------------------------------------------------------------------ one micro-batch
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch of the current window; returns its share of the logged loss."""
+        if self._window is None or self._micro_batch_index is None:
+            raise RuntimeError("GradAccTrainer.training_step runs inside the training loop's window only")
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        is_last = self._micro_batch_index == len(self._window.micro_batches) - 1
+        if self._custom_compute_loss:
+            local = self._window.micro_batches[self._micro_batch_index].get(self.primary_denominator)
+            num_items_in_batch = torch.tensor(local, device=self.args.device)
+        with self.compute_loss_context_manager():
+            raw = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        loss = self._normalized_loss(raw)
+        self.backend.backward(loss, model=model, is_final=is_last)
+        return loss.detach()
+
+    # ------------------------------------------------------------------ the loop
+    def _run_epoch(
+        self,
+        model,
+        epoch,
+        train_dataloader,
+        steps_in_epoch,
+        num_update_steps_per_epoch,
+        trial,
+        ignore_keys_for_eval,
+        start_time,
+        resume_from_checkpoint,
+        epochs_trained,
+        steps_trained_in_current_epoch,
+    ):
+        """One pass over the data, one window per optimizer step; the window decides where the step falls.
+
+        Differences with `Trainer._run_epoch`: the step happens after the LAST micro-batch the window really
+        holds (a short last window of an epoch or of an `IterableDataset` is its own step, nothing leaks into
+        the next epoch), an empty window on every rank ends the epoch, a window without counted items on any
+        rank is skipped, and sync / backward / clipping / stepping go through the backend.
+        """
+        from accelerate.data_loader import skip_first_batches
+
+        if epoch == epochs_trained:
+            self.backend.setup(model, self.optimizer)
+        step = -1
+        grad_norm = None
+        learning_rate = None
+        rng_to_sync = False
+        gas = self.args.gradient_accumulation_steps
+
+        num_update_steps_trained = 0
+        if epoch == epochs_trained and resume_from_checkpoint is not None:
+            if steps_trained_in_current_epoch > 0 and not self.args.ignore_data_skip:
+                train_dataloader = skip_first_batches(train_dataloader, steps_trained_in_current_epoch)
+                step = steps_trained_in_current_epoch - 1
+                num_update_steps_trained = steps_trained_in_current_epoch // gas
+                rng_to_sync = True
+            elif steps_trained_in_current_epoch == 0:
+                self._load_rng_state(resume_from_checkpoint)
+
+        if hasattr(train_dataloader, "set_epoch"):
+            train_dataloader.set_epoch(epoch)
+        underlying_sampler = getattr(getattr(train_dataloader, "batch_sampler", None), "batch_sampler", None)
+        if hasattr(underlying_sampler, "set_epoch"):
+            underlying_sampler.set_epoch(epoch)
+        epoch_iterator = iter(train_dataloader)
+
+        remainder = steps_in_epoch % gas or gas
+        for update_step in range(num_update_steps_trained, num_update_steps_per_epoch):
+            num_batches = gas if update_step != (num_update_steps_per_epoch - 1) else remainder
+            batch_samples, _ = self.get_batch_samples(epoch_iterator, num_batches, self.args.device)
+            window = self._window
+            assert window is not None
+            self.current_gradient_accumulation_steps = len(batch_samples)
+            if rng_to_sync:
+                self._load_rng_state(resume_from_checkpoint)
+                rng_to_sync = False
+
+            per_rank = window.num_micro_batches_per_rank
+            if max(per_rank) == 0:
+                break  # the data ran out on every rank: the epoch ends here, nothing is carried over
+            if min(per_rank) == 0:
+                raise GradAccDataError(
+                    f"Ranks hold different numbers of micro-batches for this optimizer step ({list(per_rank)}); a "
+                    "rank with none cannot join the gradient reduction. Keep `dataloader_drop_last=False` with "
+                    "accelerate's `even_batches=True` (the default), or give every rank the same number of batches."
+                )
+            if window.global_count(self.primary_denominator) == 0:
+                self.num_skipped_windows += 1
+                step += len(batch_samples)
+                logger.warning(
+                    f"Optimizer step {self.state.global_step + 1} has no counted {self.primary_denominator} on any "
+                    f"rank (every label is {self.ignore_index}): skipped, parameters unchanged "
+                    f"({self.num_skipped_windows} skipped so far)."
+                )
+                continue
+
+            for i, inputs in enumerate(batch_samples):
+                step += 1
+                is_last = i == len(batch_samples) - 1
+                self.accelerator.gradient_state._set_sync_gradients(is_last)
+                if i == 0:
+                    self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
+                self._micro_batch_index = i
+                try:
+                    with self.backend.sync_context(model, is_last=is_last):
+                        tr_loss_step = self.training_step(model, inputs, None)
+                finally:
+                    self._micro_batch_index = None
+
+                if self.args.logging_nan_inf_filter and (torch.isnan(tr_loss_step) or torch.isinf(tr_loss_step)):
+                    self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+                else:
+                    self._tr_loss += tr_loss_step.to(self._tr_loss.device)
+                self.current_flos += float(self.floating_point_ops(inputs))
+                self._track_num_input_tokens(inputs)
+
+                if not is_last:
+                    self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
+                    continue
+
+                max_norm = self.args.max_grad_norm
+                grad_norm = self.backend.clip_grad_norm(
+                    model, max_norm if max_norm is not None and max_norm > 0 else float("inf")
+                )
+                self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+                self.backend.optimizer_step(model, self.optimizer)
+                self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
+                learning_rate = self._get_learning_rate()
+                if not self.accelerator.optimizer_step_was_skipped and not isinstance(
+                    self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau
+                ):
+                    self.lr_scheduler.step()
+                self.backend.zero_grad(model)
+                self.state.global_step += 1
+                self.state.epoch = epoch + (step + 1) / steps_in_epoch
+                self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+                self._maybe_log_save_evaluate(
+                    self._tr_loss,
+                    grad_norm,
+                    model,
+                    trial,
+                    epoch,
+                    ignore_keys_for_eval,
+                    start_time,
+                    learning_rate=learning_rate,
+                )
+                if self.control.should_epoch_stop or self.control.should_training_stop:
+                    break
+            self._window = None
+            if self.control.should_epoch_stop or self.control.should_training_stop:
+                break
+
+        if step < 0:
+            logger.warning(
+                "There seems not to be a single sample in your epoch_iterator, stopping training at step"
+                f" {self.state.global_step}!"
+            )
+            self.control.should_training_stop = True
+
+        self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
+        self._maybe_log_save_evaluate(
+            self._tr_loss,
+            grad_norm,
+            model,
+            trial,
+            epoch,
+            ignore_keys_for_eval,
+            start_time,
+            learning_rate=learning_rate,
+        )
+
+    # ------------------------------------------------------------------ evaluation
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """`Trainer.prediction_step`, with a LossTerm from an overridden ``compute_loss`` read as its batch mean."""
+        if not self._custom_compute_loss:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        user_compute_loss = self.compute_loss
+
+        def mean_compute_loss(*args: Any, **kwargs: Any) -> Any:
+            out = user_compute_loss(*args, **kwargs)
+            loss, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+            if isinstance(loss, LossTerm):
+                loss = {"loss": loss}
+            if isinstance(loss, Mapping):
+                labels = inputs.get(LABEL_KEY)
+                parts = []
+                for term in loss.values():
+                    if isinstance(term.normalize_by, str):
+                        count = count_micro_batch(
+                            {k: v for k, v in inputs.items() if k in (LABEL_KEY, SHIFT_LABELS_KEY)},
+                            self.head_type or "masked_lm",
+                            ignore_index=self.ignore_index,
+                            problem_type=self._problem_type(labels),
+                        ).get(term.normalize_by)
+                    else:
+                        count = int(term.normalize_by)
+                    parts.append(term.total / max(count, 1))
+                loss = torch.stack(parts).sum()
+            return (loss, *rest) if rest is not None else loss
+
+        self.compute_loss = mean_compute_loss  # type: ignore[method-assign]
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        finally:
+            del self.compute_loss
