@@ -1,0 +1,90 @@
+"""Measure one accumulated optimizer step against the float64 full-batch reference.
+
+This is the engine of `hf-gradacc check` and of the exactness tests: run a trainer for ONE optimizer step with
+SGD(lr=1, no momentum, no weight decay, no clipping) on a dataset of exactly one window, so that the parameter
+update is minus the accumulated gradient, and compare it with :mod:`hf_gradacc.reference`.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from .reference import Comparison, compare, reference_gradients
+from .tiny import ListDataset, PaddingCollator
+
+
+def one_step_args(
+    output_dir: str | None = None,
+    *,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int,
+    args_class: type[TrainingArguments] = TrainingArguments,
+    **overrides: Any,
+) -> TrainingArguments:
+    """`TrainingArguments` (or ``args_class``) for one plain SGD step: constant lr 1, no clipping, no decay."""
+    kwargs: dict[str, Any] = dict(
+        output_dir=output_dir or tempfile.mkdtemp(prefix="hf_gradacc_"),
+        per_device_train_batch_size=per_device_train_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        max_steps=1,
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_drop_last=False,
+        use_cpu=not torch.cuda.is_available(),
+    )
+    kwargs.update(overrides)
+    return args_class(**kwargs)
+
+
+def one_step_update(
+    trainer_class: type[Trainer],
+    model: torch.nn.Module,
+    samples: Sequence[dict[str, Any]],
+    args: TrainingArguments,
+    *,
+    data_collator: Callable | None = None,
+    train_dataset: Any = None,
+    trainer_kwargs: dict[str, Any] | None = None,
+) -> tuple[dict[str, torch.Tensor], Trainer]:
+    """Train a deep copy of ``model`` for one SGD(lr=1) step; return ``{name: initial - final}`` and the trainer."""
+    model = copy.deepcopy(model)
+    initial = {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    trainer = trainer_class(
+        model=model,
+        args=args,
+        train_dataset=train_dataset if train_dataset is not None else ListDataset(samples),
+        data_collator=data_collator or PaddingCollator(),
+        optimizers=(optimizer, None),
+        **(trainer_kwargs or {}),
+    )
+    trainer.train()
+    final = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
+    update = {n: initial[n] - final[n].detach().cpu().float() for n in initial if n in final}
+    return update, trainer
+
+
+def compare_with_reference(
+    update: dict[str, torch.Tensor],
+    model: torch.nn.Module,
+    samples: Sequence[dict[str, Any]],
+    task: str,
+    *,
+    data_collator: Callable | None = None,
+    ignore_index: int = -100,
+) -> Comparison:
+    """Compare ``update`` with the float64 full-batch gradient of ``model`` over all ``samples``."""
+    reference = reference_gradients(model, samples, task, data_collator or PaddingCollator(), ignore_index)
+    return compare(update, reference)
