@@ -59,6 +59,14 @@ class GradAccConfig(TrainingArguments):
         },
     )
 
+    backward_per_term: bool = field(
+        default=False,
+        metadata={
+            "help": "When compute_loss returns several LossTerms, run one backward pass per term (in order) instead "
+            "of one on their sum. Exact on every backend; the final backward pass of the step triggers the "
+            "gradient reduction."
+        },
+    )
     zero_reduction: str = field(
         default="per_micro_batch",
         metadata={

@@ -10,9 +10,12 @@ import torch
 import torch.nn as nn
 from transformers import Trainer
 
+from . import patches
 from .backends import Backend, resolve_backend
+from .callbacks.base import GradAccCallback
 from .config import validate_gradacc_args
 from .errors import GradAccDataError, GradAccLossError
+from .grads import AccumulatedGradHook, GradAccess
 from .heads import detect_head_type, resolve_head_type, unwrap_model
 from .loss import (
     IGNORE_INDEX,
@@ -64,6 +67,8 @@ class GradAccTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # HF_GRADACC_CPU_DISTRIBUTED=1: patch accelerate BEFORE Trainer.__init__ builds the accelerator (hf_gradacc.patches)
+        patches.maybe_enable_from_env()
         super().__init__(*args, **kwargs)
         validate_gradacc_args(self.args)
         self.ignore_index: int = getattr(self.args, "ignore_index", IGNORE_INDEX)
@@ -83,10 +88,137 @@ class GradAccTrainer(Trainer):
                 "launch one process per GPU (`accelerate launch` / `torchrun`) or set CUDA_VISIBLE_DEVICES."
             )
         self.backend: Backend = resolve_backend(self.accelerator, self.args)
+        self._backward_per_term: bool = bool(getattr(self.args, "backward_per_term", False))
+        self._custom_training_step = type(self).training_step is not GradAccTrainer.training_step
+        self.backend.multi_backward = self._backward_per_term or self._custom_training_step
         self.num_skipped_windows = 0
         self._window: WindowCounts | None = None
         self._micro_batch_index: int | None = None
         self._warned: set[str] = set()
+        self._final_backward_done = False
+        self._grads_ready = False
+        self._training_started = False
+        self._accumulated_grad_hooks: list[tuple[AccumulatedGradHook, bool]] = []
+        self._term_loss_totals: dict[str, torch.Tensor] = {}
+        self._term_loss_steps = 0
+        self._extra_logs: dict[str, float] = {}
+        self.grads = GradAccess(self)
+        for callback in self.callback_handler.callbacks:
+            self._bind_callback(callback)
+
+    # ------------------------------------------------------------------ add-ons
+    def _bind_callback(self, callback: Any) -> None:
+        if isinstance(callback, GradAccCallback):
+            callback.bind(self)
+
+    def add_callback(self, callback: Any) -> None:
+        """`Trainer.add_callback`; a :class:`~hf_gradacc.callbacks.GradAccCallback` also gets the trainer."""
+        super().add_callback(callback)
+        for cb in self.callback_handler.callbacks:
+            self._bind_callback(cb)
+
+    def register_accumulated_grad_hook(self, hook: AccumulatedGradHook, *, local: bool = False) -> None:
+        """Call ``hook(name, grad)`` once per trainable parameter per optimizer step, after every micro-batch and
+        every backward pass of the step, with the fully reduced gradient, before clipping and the step.
+
+        ``grad`` is the full gradient (``local=False``) or this rank's shard under ZeRO-3 / FSDP2 (``local=True``).
+        The hook may modify it in place; the change reaches the optimizer on every backend. Hooks run on every
+        rank, in registration order, over the parameters in the same order. Register before ``train()``.
+
+        Example:
+            ```python
+            def clip_embeddings(name, grad):
+                if "embed_tokens" in name:
+                    grad.clamp_(-0.01, 0.01)
+
+            trainer.register_accumulated_grad_hook(clip_embeddings)
+            trainer.train()
+            ```
+        """
+        if self._training_started:
+            raise RuntimeError(
+                "register_accumulated_grad_hook must be called before `train()`: hooks registered mid-training "
+                "would see some optimizer steps and not others."
+            )
+        if not callable(hook):
+            raise TypeError(f"`hook` must be callable as hook(name, grad), got {type(hook).__name__}")
+        self._accumulated_grad_hooks.append((hook, local))
+
+    def add_log_metrics(self, metrics: Mapping[str, float]) -> None:
+        """Add ``metrics`` to the next training log line (used by hf_gradacc callbacks)."""
+        self._extra_logs.update({k: float(v) for k, v in metrics.items()})
+
+    def _trainable_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        module = self.accelerator.unwrap_model(self.model_wrapped)
+        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    def _run_accumulated_grad_hooks(self) -> None:
+        if not self._accumulated_grad_hooks:
+            return
+        for name, param in self._trainable_named_parameters():
+            for hook, local in self._accumulated_grad_hooks:
+                if local:
+                    hook(name, self.backend.local_grad(name, param))
+                else:
+                    grad = self.backend.full_grad(name, param)
+                    hook(name, grad)
+                    self.backend.write_full_grad(name, param, grad)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """`Trainer.log`, with per-term losses (``loss/<name>``) and callback metrics added to training logs."""
+        if "loss" in logs and self._term_loss_totals and self._term_loss_steps > 0:
+            names = sorted(self._term_loss_totals)
+            stacked = torch.stack([self._term_loss_totals[n] for n in names]).to(self.args.device)
+            if self.backend.dp_world_size > 1:
+                stacked = self.backend.all_gather(stacked).mean(dim=0)
+            for name, value in zip(names, stacked.tolist()):
+                logs[f"loss/{name}"] = value / self._term_loss_steps
+            self._term_loss_totals = {}
+            self._term_loss_steps = 0
+        if "loss" in logs and self._extra_logs:
+            logs.update(self._extra_logs)
+            self._extra_logs = {}
+        super().log(logs, start_time)
+
+    def backward(self, loss: torch.Tensor, *, final: bool, retain_graph: bool = False) -> None:
+        """Low-level backward pass for custom training steps: accumulate ``loss``'s gradient.
+
+        ``loss`` must already be normalised (see :func:`hf_gradacc.loss.normalize`). ``final=True`` marks the LAST
+        backward pass of the optimizer step (last micro-batch, last term): it triggers the gradient reduction on
+        every backend. Exactly one final pass per step; earlier passes through the same forward need
+        ``retain_graph=True``.
+
+        Example:
+            ```python
+            class TwoPassTrainer(GradAccTrainer):
+                def training_step(self, model, inputs, num_items_in_batch=None):
+                    rec, adv = my_losses(model, inputs)             # normalised scalars
+                    self.backward(rec, final=False, retain_graph=True)
+                    self.backward(adv, final=self.is_last_micro_batch)
+                    return (rec + adv).detach()
+            ```
+        """
+        if self._window is None or self._micro_batch_index is None:
+            raise RuntimeError("GradAccTrainer.backward runs inside a training window only (from training_step)")
+        if self._final_backward_done:
+            raise RuntimeError(
+                "GradAccTrainer.backward(..., final=True) was already called in this optimizer step; exactly one "
+                "backward pass per step may be final (the last one of the last micro-batch)."
+            )
+        if final and not self.is_last_micro_batch:
+            raise RuntimeError(
+                f"backward(final=True) on micro-batch {self._micro_batch_index + 1} of "
+                f"{len(self._window.micro_batches)}: only the last micro-batch's last backward pass may be final."
+            )
+        extra = {"retain_graph": True} if retain_graph else {}
+        self.backend.backward(loss, model=self.model_wrapped, is_final=final, **extra)
+        if final:
+            self._final_backward_done = True
+
+    @property
+    def is_last_micro_batch(self) -> bool:
+        """True while the last micro-batch of the current optimizer step runs."""
+        return self._window is not None and self._micro_batch_index == len(self._window.micro_batches) - 1
 
     # ------------------------------------------------------------------ denominators
     @property
@@ -209,8 +341,8 @@ class GradAccTrainer(Trainer):
             return total
         raise GradAccLossError(f"No built-in loss for head type {head!r}: set `head_type` or return a LossTerm.")
 
-    def _normalized_loss(self, raw: Any) -> torch.Tensor:
-        """Turn what ``compute_loss`` returned into the loss whose gradient is this micro-batch's exact share."""
+    def _normalized_terms(self, raw: Any) -> list[tuple[str, torch.Tensor]]:
+        """Each term of what ``compute_loss`` returned, normalised by its own global denominator."""
         window = self._window
         assert window is not None and self._micro_batch_index is not None
         world = self.backend.dp_world_size
@@ -219,7 +351,9 @@ class GradAccTrainer(Trainer):
         if isinstance(raw, LossTerm):
             raw = {"loss": raw}
         if isinstance(raw, Mapping):
-            loss: torch.Tensor | None = None
+            if not raw:
+                raise GradAccLossError("compute_loss returned an empty dict; return at least one LossTerm")
+            parts: list[tuple[str, torch.Tensor]] = []
             for name, term in raw.items():
                 if not isinstance(term, LossTerm):
                     raise GradAccLossError(
@@ -241,9 +375,8 @@ class GradAccTrainer(Trainer):
                     part = term.total * 0.0
                 else:
                     part = normalize(term.total, global_count, world)
-                loss = part if loss is None else loss + part
-            assert loss is not None
-            return loss
+                parts.append((str(name), part))
+            return parts
         if not torch.is_tensor(raw):
             raise GradAccLossError(
                 f"compute_loss returned a {type(raw).__name__}; return a scalar tensor, an hf_gradacc.LossTerm or a "
@@ -270,8 +403,8 @@ class GradAccTrainer(Trainer):
                     "compute_loss returned a non-finite mean for a micro-batch with no counted item. Return "
                     "hf_gradacc.LossTerm(total=<sum>, ...), whose sum is 0 for an empty micro-batch."
                 )
-            return raw * 0.0
-        return normalize(raw * local, global_count, world)
+            return [("loss", raw * 0.0)]
+        return [("loss", normalize(raw * local, global_count, world))]
 
     # ------------------------------------------------------------------ one micro-batch
     def training_step(
@@ -287,16 +420,29 @@ class GradAccTrainer(Trainer):
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
-        is_last = self._micro_batch_index == len(self._window.micro_batches) - 1
+        is_last = self.is_last_micro_batch
         if self._custom_compute_loss:
             local = self._window.micro_batches[self._micro_batch_index].get(self.primary_denominator)
             num_items_in_batch = torch.tensor(local, device=self.args.device)
         with self.compute_loss_context_manager():
             raw = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
-        loss = self._normalized_loss(raw)
-        self.backend.backward(loss, model=model, is_final=is_last)
-        return loss.detach()
+        parts = self._normalized_terms(raw)
+        if len(parts) > 1:
+            for name, part in parts:
+                total = self._term_loss_totals.get(name)
+                value = part.detach().float()
+                self._term_loss_totals[name] = value if total is None else total + value
+        if self._backward_per_term and len(parts) > 1:
+            for k, (_, part) in enumerate(parts):
+                last_term = k == len(parts) - 1
+                self.backward(part, final=is_last and last_term, retain_graph=not last_term)
+        else:
+            loss = parts[0][1]
+            for _, part in parts[1:]:
+                loss = loss + part
+            self.backward(loss, final=is_last)
+        return sum((p.detach() for _, p in parts), torch.zeros((), device=parts[0][1].device))
 
     # ------------------------------------------------------------------ the loop
     def _run_epoch(
@@ -323,6 +469,7 @@ class GradAccTrainer(Trainer):
         from accelerate.data_loader import skip_first_batches
 
         if epoch == epochs_trained:
+            self._training_started = True
             self.backend.setup(model, self.optimizer)
         step = -1
         grad_norm = None
@@ -377,6 +524,7 @@ class GradAccTrainer(Trainer):
                 )
                 continue
 
+            self._final_backward_done = False
             for i, inputs in enumerate(batch_samples):
                 step += 1
                 is_last = i == len(batch_samples) - 1
@@ -401,11 +549,21 @@ class GradAccTrainer(Trainer):
                     self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
                     continue
 
+                if not self._final_backward_done:
+                    raise RuntimeError(
+                        "The optimizer step's last micro-batch ran no final backward pass: a custom `training_step` "
+                        "must call `self.backward(loss, final=self.is_last_micro_batch)` (or super().training_step)."
+                    )
+                if self._term_loss_totals:
+                    self._term_loss_steps += 1
+                self._grads_ready = True
+                self._run_accumulated_grad_hooks()
                 max_norm = self.args.max_grad_norm
                 grad_norm = self.backend.clip_grad_norm(
                     model, max_norm if max_norm is not None and max_norm > 0 else float("inf")
                 )
                 self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+                self._grads_ready = False
                 self.backend.optimizer_step(model, self.optimizer)
                 self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
                 learning_rate = self._get_learning_rate()

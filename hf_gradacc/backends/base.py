@@ -20,6 +20,10 @@ class Backend:
     """
 
     name: ClassVar[str] = "base"
+    # Set by the trainer when a micro-batch may run several backward passes through one forward pass
+    # (`backward_per_term=True`, or an overridden `training_step`): forward passes must then not decide the sync,
+    # and the FINAL backward pass of the window triggers it.
+    multi_backward: bool = False
 
     def __init__(self, accelerator: Accelerator, args: TrainingArguments) -> None:
         self.accelerator = accelerator
@@ -57,3 +61,29 @@ class Backend:
 
     def zero_grad(self, model: torch.nn.Module) -> None:
         model.zero_grad()
+
+    # ---- gradient access (valid between the final backward pass and the optimizer step)
+    def full_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+        """The full reduced gradient of ``param``. Replicated backends return ``param.grad`` itself."""
+        if param.grad is None:
+            return torch.zeros_like(param)
+        return param.grad
+
+    def local_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's part of the gradient (the whole gradient on replicated backends)."""
+        return self.full_grad(name, param)
+
+    def write_full_grad(self, name: str, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Store a (possibly modified) full gradient back. No-op when ``full_grad`` returned the live tensor."""
+        if param.grad is None:
+            param.grad = grad
+        elif grad is not param.grad:
+            param.grad.copy_(grad)
+
+    def grad_sq_norms(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:
+        """Squared L2 norm of every parameter's full gradient (float64, one entry per parameter)."""
+        values = [
+            p.grad.detach().double().pow(2).sum() if p.grad is not None else torch.zeros((), dtype=torch.float64)
+            for _, p in named_params
+        ]
+        return torch.stack([v.cpu() for v in values]) if values else torch.zeros(0, dtype=torch.float64)

@@ -19,12 +19,25 @@ class DDPBackend(Backend):
     name = "ddp"
 
     def sync_context(self, model: torch.nn.Module, *, is_last: bool) -> contextlib.AbstractContextManager:
-        if is_last or self.dp_world_size == 1:
+        if self.dp_world_size == 1 or (is_last and not self.multi_backward):
             return contextlib.nullcontext()
         return self.accelerator.no_sync(model)
 
-    def backward(self, loss: torch.Tensor, *, model: torch.nn.Module, is_final: bool) -> None:
-        self.accelerator.backward(loss)
+    def backward(
+        self, loss: torch.Tensor, *, model: torch.nn.Module, is_final: bool, retain_graph: bool = False
+    ) -> None:
+        if is_final and self.multi_backward and self.dp_world_size > 1:
+            # The forward ran under no_sync, so the reducer was told not to expect this backward: re-arm it
+            # (reducer.prepare_for_backward) or the final pass is silently not all-reduced. The zero term makes
+            # every parameter receive a gradient in this pass, so every bucket is reduced even when the final
+            # loss term does not reach all of them (a GAN or VAE term that uses half the model).
+            for param in model.parameters():
+                if param.requires_grad:
+                    loss = loss + param.sum() * 0.0
+            with self.accelerator.trigger_sync_in_backward(model):
+                self.accelerator.backward(loss, retain_graph=retain_graph)
+        else:
+            self.accelerator.backward(loss, retain_graph=retain_graph)
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)

@@ -1,0 +1,40 @@
+"""`GradAccCallback`: a `TrainerCallback` that GradAccTrainer hands itself to."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from transformers import TrainerCallback
+
+if TYPE_CHECKING:
+    from ..trainer import GradAccTrainer
+
+
+class GradAccCallback(TrainerCallback):
+    """Base of the hf_gradacc callbacks: ``self.trainer`` is set when the callback is added to a GradAccTrainer.
+
+    It gives callbacks ``trainer.grads`` (gradient access on every backend) and ``trainer.add_log_metrics``.
+
+    Example:
+        ```python
+        from hf_gradacc.callbacks import GradAccCallback
+
+        class PrintNorm(GradAccCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                norm = self.trainer.grads.norm()      # collective: runs on every rank
+                if state.is_world_process_zero:
+                    print(state.global_step, norm)
+        ```
+    """
+
+    trainer: GradAccTrainer | None = None
+
+    def bind(self, trainer: GradAccTrainer) -> None:
+        self.trainer = trainer
+
+    def _require_trainer(self) -> GradAccTrainer:
+        if self.trainer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} needs a GradAccTrainer: pass it in `callbacks=[...]` or `trainer.add_callback`"
+            )
+        return self.trainer

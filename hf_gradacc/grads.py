@@ -1,0 +1,96 @@
+"""Read (and hook) the accumulated gradient on every backend, through the backend.
+
+Under DeepSpeed ZeRO ``param.grad`` is None and under FSDP2 it is a shard; :class:`GradAccess` gives one way to
+read it everywhere. Reads are valid between the final backward pass of an optimizer step and the step itself:
+in ``on_pre_optimizer_step`` callbacks and in accumulated-gradient hooks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .trainer import GradAccTrainer
+
+AccumulatedGradHook = Callable[[str, torch.Tensor], None]
+
+
+class GradientsNotReadyError(RuntimeError):
+    """Gradients were read outside the window between the final backward pass and the optimizer step."""
+
+
+class GradAccess:
+    """Gradient access for :class:`~hf_gradacc.GradAccTrainer` (``trainer.grads``).
+
+    Every method that may communicate (``full`` on sharded backends, ``norm``, ``named_norms``) is a collective:
+    call it on every rank, with the same arguments, in the same order.
+
+    Cost per call: DDP and single process: none (gradients are replicated). DeepSpeed ZeRO: ``full`` gathers one
+    parameter's gradient (an all-reduce of its size); ``norm`` / ``named_norms`` one all-reduce of one float per
+    parameter. FSDP2: ``full`` all-gathers one parameter's shards; the norms one all-reduce.
+
+    Example:
+        ```python
+        from transformers import TrainerCallback
+
+        class LogHeadGrad(TrainerCallback):
+            def __init__(self, trainer):
+                self.trainer = trainer
+
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                grad = self.trainer.grads.full("lm_head.weight")   # every rank calls it
+                print(state.global_step, grad.norm().item(), self.trainer.grads.norm())
+        ```
+    """
+
+    def __init__(self, trainer: GradAccTrainer) -> None:
+        self._trainer = trainer
+
+    # The trainer flips this around the window between the final backward and the optimizer step.
+    @property
+    def is_ready(self) -> bool:
+        return self._trainer._grads_ready
+
+    def _check(self) -> None:
+        if not self.is_ready:
+            raise GradientsNotReadyError(
+                "The accumulated gradient is readable only between the final backward pass of an optimizer step and "
+                "the step: in `on_pre_optimizer_step` callbacks and in accumulated-gradient hooks."
+            )
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Trainable parameters, by name, in the same order on every rank."""
+        return self._trainer._trainable_named_parameters()
+
+    def _param(self, name: str) -> torch.nn.Parameter:
+        for n, p in self.named_parameters():
+            if n == name:
+                return p
+        raise KeyError(f"no trainable parameter named {name!r}")
+
+    def full(self, name: str) -> torch.Tensor:
+        """The full accumulated, reduced gradient of parameter ``name`` (a collective on sharded backends)."""
+        self._check()
+        return self._trainer.backend.full_grad(name, self._param(name))
+
+    def local(self, name: str) -> torch.Tensor:
+        """This rank's part of the gradient: the whole gradient on DDP, the local shard under ZeRO-3 / FSDP2."""
+        self._check()
+        return self._trainer.backend.local_grad(name, self._param(name))
+
+    def named_norms(self) -> dict[str, float]:
+        """L2 norm of every trainable parameter's full gradient (one collective)."""
+        self._check()
+        named = self.named_parameters()
+        squares = self._trainer.backend.grad_sq_norms(named)
+        return {n: math.sqrt(max(float(s), 0.0)) for (n, _), s in zip(named, squares.tolist())}
+
+    def norm(self) -> float:
+        """Global L2 norm of the accumulated gradient, before clipping (one collective)."""
+        self._check()
+        squares = self._trainer.backend.grad_sq_norms(self.named_parameters())
+        return math.sqrt(max(float(squares.sum()), 0.0))
