@@ -67,6 +67,14 @@ class GradAccConfig(TrainingArguments):
             "gradient reduction."
         },
     )
+    auto_micro_batch: bool = field(
+        default=False,
+        metadata={
+            "help": "On out-of-memory in a micro-batch, every rank halves the rows per micro-batch and recomputes "
+            "the optimizer step with the same samples: the update is unchanged. The size found is kept and logged "
+            "(`auto_micro_batch_rows`). Single process and DDP."
+        },
+    )
     zero_reduction: str = field(
         default="per_micro_batch",
         metadata={

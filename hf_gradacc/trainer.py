@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -14,7 +15,7 @@ from . import patches
 from .backends import Backend, resolve_backend
 from .callbacks.base import GradAccCallback
 from .config import validate_gradacc_args
-from .errors import GradAccDataError, GradAccLossError
+from .errors import GradAccDataError, GradAccLossError, UnsupportedBackendError
 from .grads import AccumulatedGradHook, GradAccess
 from .heads import detect_head_type, resolve_head_type, unwrap_model
 from .loss import (
@@ -27,9 +28,30 @@ from .loss import (
     sequence_classification_sum,
     token_cross_entropy_sum,
 )
-from .window import LABEL_KEY, SHIFT_LABELS_KEY, WindowCounts, count_micro_batch, gather_window_counts
+from .window import (
+    LABEL_KEY,
+    SHIFT_LABELS_KEY,
+    WindowCounts,
+    count_micro_batch,
+    gather_window_counts,
+    rows_of,
+    split_micro_batches,
+)
 
 logger = logging.getLogger(__name__)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for a device (or host) out-of-memory error."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class GradAccTrainer(Trainer):
@@ -88,9 +110,17 @@ class GradAccTrainer(Trainer):
                 "launch one process per GPU (`accelerate launch` / `torchrun`) or set CUDA_VISIBLE_DEVICES."
             )
         self.backend: Backend = resolve_backend(self.accelerator, self.args)
+        self.backend.check_model(self.model)
         self._backward_per_term: bool = bool(getattr(self.args, "backward_per_term", False))
         self._custom_training_step = type(self).training_step is not GradAccTrainer.training_step
-        self.backend.multi_backward = self._backward_per_term or self._custom_training_step
+        self._auto_micro_batch: bool = bool(getattr(self.args, "auto_micro_batch", False))
+        self._auto_rows: int | None = None
+        self.backend.multi_backward = self._backward_per_term or self._custom_training_step or self._auto_micro_batch
+        if self._auto_micro_batch and not self.backend.supports_deferred_sync:
+            raise UnsupportedBackendError(
+                f"`auto_micro_batch=True` is not supported on the {self.backend.name} backend: a rank that runs out of "
+                "memory mid-window would leave the others waiting in a collective. Supported: single process and DDP."
+            )
         self.num_skipped_windows = 0
         self._window: WindowCounts | None = None
         self._micro_batch_index: int | None = None
@@ -211,7 +241,9 @@ class GradAccTrainer(Trainer):
                 f"{len(self._window.micro_batches)}: only the last micro-batch's last backward pass may be final."
             )
         extra = {"retain_graph": True} if retain_graph else {}
-        self.backend.backward(loss, model=self.model_wrapped, is_final=final, **extra)
+        # With auto_micro_batch no backward pass reduces: the window's gradient is reduced by `sync_window` once
+        # every rank has agreed that no rank ran out of memory.
+        self.backend.backward(loss, model=self.model_wrapped, is_final=final and not self._auto_micro_batch, **extra)
         if final:
             self._final_backward_done = True
 
@@ -251,22 +283,13 @@ class GradAccTrainer(Trainer):
                 batch_samples.append(next(epoch_iterator))
             except StopIteration:
                 break
-        head: HeadType = self.head_type or "masked_lm"
         if self.head_type is None:
             self._warn_once(
                 "unknown_head",
                 "GradAccTrainer could not tell the model's loss family; 'tokens' are counted on unshifted labels. "
                 "Set `head_type` in GradAccConfig if the model shifts its labels (causal LM).",
             )
-        counts = [
-            count_micro_batch(
-                batch,
-                head,
-                ignore_index=self.ignore_index,
-                problem_type=self._problem_type(batch.get(LABEL_KEY)) if head == "sequence_classification" else None,
-            )
-            for batch in batch_samples
-        ]
+        counts = [self._count(batch) for batch in batch_samples]
         self._window = gather_window_counts(counts, self.backend.all_gather, device=device)
         return batch_samples, torch.tensor(self._window.global_count(self.primary_denominator), device=device)
 
@@ -524,69 +547,32 @@ class GradAccTrainer(Trainer):
                 )
                 continue
 
-            self._final_backward_done = False
-            for i, inputs in enumerate(batch_samples):
-                step += 1
-                is_last = i == len(batch_samples) - 1
-                self.accelerator.gradient_state._set_sync_gradients(is_last)
-                if i == 0:
-                    self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
-                self._micro_batch_index = i
-                try:
-                    with self.backend.sync_context(model, is_last=is_last):
-                        tr_loss_step = self.training_step(model, inputs, None)
-                finally:
-                    self._micro_batch_index = None
-
-                if self.args.logging_nan_inf_filter and (torch.isnan(tr_loss_step) or torch.isinf(tr_loss_step)):
-                    self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
-                else:
-                    self._tr_loss += tr_loss_step.to(self._tr_loss.device)
+            self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
+            tr_loss_step = self._run_window(model, batch_samples)
+            step += len(batch_samples)
+            if self.args.logging_nan_inf_filter and (torch.isnan(tr_loss_step) or torch.isinf(tr_loss_step)):
+                self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+            else:
+                self._tr_loss += tr_loss_step.to(self._tr_loss.device)
+            for inputs in batch_samples:
                 self.current_flos += float(self.floating_point_ops(inputs))
                 self._track_num_input_tokens(inputs)
 
-                if not is_last:
-                    self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
-                    continue
-
-                if not self._final_backward_done:
-                    raise RuntimeError(
-                        "The optimizer step's last micro-batch ran no final backward pass: a custom `training_step` "
-                        "must call `self.backward(loss, final=self.is_last_micro_batch)` (or super().training_step)."
-                    )
-                if self._term_loss_totals:
-                    self._term_loss_steps += 1
-                self._grads_ready = True
-                self._run_accumulated_grad_hooks()
-                max_norm = self.args.max_grad_norm
-                grad_norm = self.backend.clip_grad_norm(
-                    model, max_norm if max_norm is not None and max_norm > 0 else float("inf")
-                )
-                self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
-                self._grads_ready = False
-                self.backend.optimizer_step(model, self.optimizer)
-                self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
-                learning_rate = self._get_learning_rate()
-                if not self.accelerator.optimizer_step_was_skipped and not isinstance(
-                    self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau
-                ):
-                    self.lr_scheduler.step()
-                self.backend.zero_grad(model)
-                self.state.global_step += 1
-                self.state.epoch = epoch + (step + 1) / steps_in_epoch
-                self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
-                self._maybe_log_save_evaluate(
-                    self._tr_loss,
-                    grad_norm,
-                    model,
-                    trial,
-                    epoch,
-                    ignore_keys_for_eval,
-                    start_time,
-                    learning_rate=learning_rate,
-                )
-                if self.control.should_epoch_stop or self.control.should_training_stop:
-                    break
+            grad_norm = self._optimizer_step(model)
+            learning_rate = self._get_learning_rate()
+            self.state.global_step += 1
+            self.state.epoch = epoch + (step + 1) / steps_in_epoch
+            self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+            self._maybe_log_save_evaluate(
+                self._tr_loss,
+                grad_norm,
+                model,
+                trial,
+                epoch,
+                ignore_keys_for_eval,
+                start_time,
+                learning_rate=learning_rate,
+            )
             self._window = None
             if self.control.should_epoch_stop or self.control.should_training_stop:
                 break
@@ -609,6 +595,102 @@ class GradAccTrainer(Trainer):
             start_time,
             learning_rate=learning_rate,
         )
+
+    def _run_window(self, model: nn.Module, batch_samples: list) -> torch.Tensor:
+        """Forward and backward passes of every micro-batch of the window; returns the window's logged loss.
+
+        With ``auto_micro_batch``, an out-of-memory error on any rank makes EVERY rank drop the window's partial
+        gradient, halve the rows per micro-batch and run the same samples again: the update is unchanged (the
+        global denominator does not depend on the grouping), nothing hangs (no collective runs inside the window
+        in that mode), and the smaller size is kept for the rest of training.
+        """
+        window = self._window
+        assert window is not None
+        while True:
+            micro_batches = batch_samples
+            if self._auto_rows is not None:
+                micro_batches = split_micro_batches(batch_samples, self._auto_rows)
+                if len(micro_batches) != len(batch_samples):
+                    self._window = window.with_micro_batches(
+                        [self._count(mb) for mb in micro_batches]
+                    )
+            self._final_backward_done = False
+            total = torch.zeros((), device=self.args.device)
+            out_of_memory = False
+            try:
+                for i, inputs in enumerate(micro_batches):
+                    is_last = i == len(micro_batches) - 1
+                    self.accelerator.gradient_state._set_sync_gradients(is_last)
+                    self._micro_batch_index = i
+                    try:
+                        with self.backend.sync_context(model, is_last=is_last):
+                            total = total + self.training_step(model, inputs, None).to(total.device)
+                    finally:
+                        self._micro_batch_index = None
+                    if not is_last:
+                        self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
+            except Exception as error:  # noqa: BLE001 - only out-of-memory errors are caught, the rest re-raised
+                if not (self._auto_micro_batch and is_out_of_memory(error)):
+                    raise
+                out_of_memory = True
+                release_memory()
+            if not self._auto_micro_batch:
+                break
+            # One flag per rank, agreed before anything else communicates: every rank retries, or none does.
+            any_oom = bool(self.backend.all_gather(torch.tensor([int(out_of_memory)], device=self.args.device)).max())
+            if not any_oom:
+                self.backend.sync_window(model)
+                break
+            self.backend.zero_grad(model)
+            self._term_loss_totals = {}
+            largest = max(rows_of(mb) for mb in batch_samples)
+            current = self._auto_rows or largest
+            if current <= 1:
+                raise GradAccDataError(
+                    "Out of memory on a micro-batch of ONE sample (auto_micro_batch cannot split further). Shorten "
+                    "`max_length` / the longest sample, use gradient checkpointing, or a bigger device."
+                )
+            self._auto_rows = max(1, current // 2)
+            logger.warning(
+                f"auto_micro_batch: out of memory on {'this' if out_of_memory else 'another'} rank; micro-batches now "
+                f"hold at most {self._auto_rows} row(s) (were {current}). The optimizer step's samples and update are "
+                "unchanged; the step is recomputed."
+            )
+            self.add_log_metrics({"auto_micro_batch_rows": self._auto_rows})
+        if not self._final_backward_done:
+            raise RuntimeError(
+                "The optimizer step's last micro-batch ran no final backward pass: a custom `training_step` must call "
+                "`self.backward(loss, final=self.is_last_micro_batch)` (or super().training_step)."
+            )
+        return total
+
+    def _count(self, batch: Mapping[str, Any]):
+        head: HeadType = self.head_type or "masked_lm"
+        problem_type = self._problem_type(batch.get(LABEL_KEY)) if head == "sequence_classification" else None
+        return count_micro_batch(batch, head, ignore_index=self.ignore_index, problem_type=problem_type)
+
+    def _optimizer_step(self, model: nn.Module) -> torch.Tensor:
+        """Hooks, norm and clipping, `on_pre_optimizer_step`, the step, the scheduler; returns the pre-clip norm."""
+        if self._term_loss_totals:
+            self._term_loss_steps += 1
+        self._grads_ready = True
+        try:
+            self._run_accumulated_grad_hooks()
+            max_norm = self.args.max_grad_norm
+            grad_norm = self.backend.clip_grad_norm(
+                model, max_norm if max_norm is not None and max_norm > 0 else float("inf")
+            )
+            self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+        finally:
+            self._grads_ready = False
+        self.backend.optimizer_step(model, self.optimizer)
+        self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
+        if not self.accelerator.optimizer_step_was_skipped and not isinstance(
+            self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau
+        ):
+            self.lr_scheduler.step()
+        self.backend.zero_grad(model)
+        return grad_norm
 
     # ------------------------------------------------------------------ evaluation
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -7,7 +7,7 @@ data-parallel rank, and issues exactly one such collective per optimizer step.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -52,6 +52,10 @@ class WindowCounts:
 
     def global_count(self, denominator: str) -> int:
         return self.global_tokens if denominator == "tokens" else self.global_samples
+
+    def with_micro_batches(self, micro_batches: Sequence[MicroBatchCounts]) -> WindowCounts:
+        """The same window (same samples, same global counts) cut into other micro-batches on this rank."""
+        return replace(self, micro_batches=tuple(micro_batches))
 
 
 def count_micro_batch(
@@ -127,3 +131,33 @@ def gather_window_counts(
         global_samples=int(rows[:, _SAMPLES].sum()),
         num_micro_batches_per_rank=tuple(int(n) for n in rows[:, _MICRO_BATCHES]),
     )
+
+
+def rows_of(batch: Mapping[str, Any]) -> int:
+    """Number of rows (samples) of a collated micro-batch: the first dim of its first tensor."""
+    for value in batch.values():
+        if torch.is_tensor(value) and value.dim() > 0:
+            return int(value.shape[0])
+    raise GradAccDataError(f"Cannot tell the number of rows of a micro-batch with keys {sorted(batch)}: no tensor")
+
+
+def split_micro_batches(micro_batches: Sequence[Mapping[str, Any]], max_rows: int) -> list[dict[str, Any]]:
+    """Cut every micro-batch into pieces of at most ``max_rows`` rows, keeping the order of samples.
+
+    Tensors whose first dim is the row count are sliced; other values are shared by every piece.
+    """
+    if max_rows < 1:
+        raise ValueError(f"`max_rows` ({max_rows}) must be >= 1")
+    pieces: list[dict[str, Any]] = []
+    for batch in micro_batches:
+        rows = rows_of(batch)
+        for start in range(0, rows, max_rows):
+            stop = min(start + max_rows, rows)
+            pieces.append(
+                {
+                    key: value[start:stop] if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows
+                    else value
+                    for key, value in batch.items()
+                }
+            )
+    return pieces

@@ -24,10 +24,15 @@ class Backend:
     # (`backward_per_term=True`, or an overridden `training_step`): forward passes must then not decide the sync,
     # and the FINAL backward pass of the window triggers it.
     multi_backward: bool = False
+    # Whether a window can run with NO collective until `sync_window` (needed by auto_micro_batch).
+    supports_deferred_sync: ClassVar[bool] = False
 
     def __init__(self, accelerator: Accelerator, args: TrainingArguments) -> None:
         self.accelerator = accelerator
         self.args = args
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Raise a clear error, when the trainer is created, for a model this backend cannot prepare."""
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Called once the model and optimizer are prepared (wrapped), before the first window."""
@@ -50,6 +55,10 @@ class Backend:
     def backward(self, loss: torch.Tensor, *, model: torch.nn.Module, is_final: bool) -> None:
         """Accumulate ``loss``'s gradient. ``is_final`` marks the last backward pass of the window."""
         raise NotImplementedError
+
+    def sync_window(self, model: torch.nn.Module) -> None:
+        """Reduce the window's locally accumulated gradient (when no backward pass was final)."""
+        raise NotImplementedError(f"the {self.name} backend cannot reduce a window after the fact")
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Norm of the accumulated, reduced gradient before clipping; clip when ``max_norm`` is finite."""

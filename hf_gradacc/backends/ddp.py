@@ -17,6 +17,7 @@ class DDPBackend(Backend):
     """
 
     name = "ddp"
+    supports_deferred_sync = True
 
     def sync_context(self, model: torch.nn.Module, *, is_last: bool) -> contextlib.AbstractContextManager:
         if self.dp_world_size == 1 or (is_last and not self.multi_backward):
@@ -34,11 +35,45 @@ class DDPBackend(Backend):
             for param in model.parameters():
                 if param.requires_grad:
                     loss = loss + param.sum() * 0.0
-            with self.accelerator.trigger_sync_in_backward(model):
+            with _sync_in_backward(model, loss):
                 self.accelerator.backward(loss, retain_graph=retain_graph)
         else:
             self.accelerator.backward(loss, retain_graph=retain_graph)
 
+    def sync_window(self, model: torch.nn.Module) -> None:
+        if self.dp_world_size == 1:
+            return
+        # A backward pass of an exact zero through every parameter: the re-armed reducer all-reduces the gradient
+        # accumulated locally over the window, once.
+        zero = None
+        for param in model.parameters():
+            if param.requires_grad:
+                zero = param.sum() * 0.0 if zero is None else zero + param.sum() * 0.0
+        if zero is not None:
+            with self.accelerator.trigger_sync_in_backward(model):
+                self.accelerator.backward(zero)
+
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
         return norm if torch.is_tensor(norm) else torch.tensor(float(norm))
+
+
+@contextlib.contextmanager
+def _sync_in_backward(model: torch.nn.Module, loss: torch.Tensor):
+    """`Accelerator.trigger_sync_in_backward`, but arming the reducer with ``loss`` instead of no outputs.
+
+    accelerate calls ``reducer.prepare_for_backward([])``: with ``find_unused_parameters=True`` (the Trainer's
+    default for a PreTrainedModel) DDP then finds no parameter in the (empty) graph, marks all of them ready at
+    once, and the backward fails with "Expected to mark a variable ready only once". Searching the graph from
+    ``loss`` finds every parameter (the zero term above reaches them all).
+    """
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        yield
+        return
+    old = model.require_backward_grad_sync, model.require_forward_param_sync
+    model.require_backward_grad_sync = model.require_forward_param_sync = True
+    model.reducer.prepare_for_backward([loss])
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync, model.require_forward_param_sync = old
