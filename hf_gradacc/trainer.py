@@ -15,7 +15,7 @@ from . import patches
 from .backends import Backend, resolve_backend
 from .callbacks.base import GradAccCallback
 from .config import validate_gradacc_args
-from .errors import GradAccDataError, GradAccLossError, UnsupportedBackendError
+from .errors import GradAccConfigError, GradAccDataError, GradAccLossError, UnsupportedBackendError
 from .grads import AccumulatedGradHook, GradAccess
 from .heads import detect_head_type, resolve_head_type, unwrap_model
 from .loss import (
@@ -114,8 +114,23 @@ class GradAccTrainer(Trainer):
         self._backward_per_term: bool = bool(getattr(self.args, "backward_per_term", False))
         self._custom_training_step = type(self).training_step is not GradAccTrainer.training_step
         self._auto_micro_batch: bool = bool(getattr(self.args, "auto_micro_batch", False))
+        self._defer_normalization: bool = bool(getattr(self.args, "defer_normalization", False))
+        self._custom_count = 0
         self._auto_rows: int | None = None
-        self.backend.multi_backward = self._backward_per_term or self._custom_training_step or self._auto_micro_batch
+        self.backend.multi_backward = (
+            self._backward_per_term or self._custom_training_step or self._auto_micro_batch or self._defer_normalization
+        )
+        if self._defer_normalization and not self.backend.supports_deferred_sync:
+            raise UnsupportedBackendError(
+                f"`defer_normalization=True` is not supported on the {self.backend.name} backend: its gradient cannot "
+                "be reduced and scaled once after the window. Supported: single process and DDP; turn it off "
+                "(the default prefetching path is exact everywhere)."
+            )
+        if self._defer_normalization and (self._auto_micro_batch or self._backward_per_term or self._custom_training_step):
+            raise GradAccConfigError(
+                "`defer_normalization=True` cannot be combined with `auto_micro_batch`, `backward_per_term` or an "
+                "overridden `training_step`; turn one of them off."
+            )
         if self._auto_micro_batch and not self.backend.supports_deferred_sync:
             raise UnsupportedBackendError(
                 f"`auto_micro_batch=True` is not supported on the {self.backend.name} backend: a rank that runs out of "
@@ -520,6 +535,31 @@ class GradAccTrainer(Trainer):
         remainder = steps_in_epoch % gas or gas
         for update_step in range(num_update_steps_trained, num_update_steps_per_epoch):
             num_batches = gas if update_step != (num_update_steps_per_epoch - 1) else remainder
+            if self._defer_normalization:
+                if rng_to_sync:
+                    self._load_rng_state(resume_from_checkpoint)
+                    rng_to_sync = False
+                self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
+                outcome = self._run_deferred_window(model, epoch_iterator, num_batches)
+                if outcome is None:
+                    break  # the data ran out on every rank
+                tr_loss_step, num_micro_batches = outcome
+                step += num_micro_batches
+                if tr_loss_step is None:
+                    continue  # no counted item on any rank: skipped
+                self._tr_loss += tr_loss_step.to(self._tr_loss.device)
+                grad_norm = self._optimizer_step(model)
+                learning_rate = self._get_learning_rate()
+                self.state.global_step += 1
+                self.state.epoch = epoch + (step + 1) / steps_in_epoch
+                self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+                self._maybe_log_save_evaluate(
+                    self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+                    learning_rate=learning_rate,
+                )
+                if self.control.should_epoch_stop or self.control.should_training_stop:
+                    break
+                continue
             batch_samples, _ = self.get_batch_samples(epoch_iterator, num_batches, self.args.device)
             window = self._window
             assert window is not None
@@ -663,6 +703,117 @@ class GradAccTrainer(Trainer):
                 "`self.backward(loss, final=self.is_last_micro_batch)` (or super().training_step)."
             )
         return total
+
+    def _run_deferred_window(
+        self, model: nn.Module, epoch_iterator: Iterator, num_batches: int
+    ) -> tuple[torch.Tensor | None, int] | None:
+        """`defer_normalization`: fetch micro-batches one at a time, back-propagate SUMS, scale once at the end.
+
+        No prefetch: each micro-batch is loaded, counted, run and dropped. Every backward pass is local; after the
+        window ONE collective sums the counts, the backend reduces the gradient once and scales it by
+        ``1 / global_count``. Returns ``(logged loss, micro-batches)``, ``(None, n)`` for a skipped window, or None
+        when the data ran out on every rank.
+        """
+        world = self.backend.dp_world_size
+        local = {"tokens": 0, "samples": 0, "custom": 0}
+        custom_seen = False
+        total = torch.zeros((), device=self.args.device)
+        num_micro_batches = 0
+        self._final_backward_done = False
+        self._window = WindowCounts(micro_batches=(), global_tokens=1, global_samples=1, num_micro_batches_per_rank=())
+        for _ in range(num_batches):
+            try:
+                inputs = next(epoch_iterator)
+            except StopIteration:
+                break
+            counts = self._count(inputs)
+            local["tokens"] += counts.num_tokens
+            local["samples"] += counts.num_samples
+            self._window = self._window.with_micro_batches([counts])
+            self._micro_batch_index = 0
+            self.accelerator.gradient_state._set_sync_gradients(False)
+            model.train()
+            prepared = self._prepare_inputs(inputs)
+            try:
+                with self.backend.sync_context(model, is_last=False):
+                    if self._custom_compute_loss:
+                        num_items = torch.tensor(counts.get(self.primary_denominator), device=self.args.device)
+                    else:
+                        num_items = None
+                    with self.compute_loss_context_manager():
+                        raw = self.compute_loss(model, prepared, num_items_in_batch=num_items)
+                    denominator, summed = self._summed_terms(raw, counts)
+                    if denominator == "custom":
+                        custom_seen = True
+                    else:
+                        local.setdefault("denominator", denominator)
+                    local["custom"] += int(self._custom_count)
+                    loss = summed * world
+                    self.backend.backward(loss, model=self.model_wrapped, is_final=False)
+            finally:
+                self._micro_batch_index = None
+            total = total + loss.detach()
+            self.current_flos += float(self.floating_point_ops(inputs))
+            self._track_num_input_tokens(inputs)
+            num_micro_batches += 1
+        vector = torch.tensor(
+            [local["tokens"], local["samples"], local["custom"], num_micro_batches], device=self.args.device
+        )
+        rows = self.backend.all_gather(vector).reshape(-1, 4).cpu()
+        self._window = None
+        # accelerate's optimizer wrapper only steps when it believes the gradients are synced.
+        self.accelerator.gradient_state._set_sync_gradients(True)
+        if int(rows[:, 3].max()) == 0:
+            return None
+        self.backend.sync_window(model)
+        if custom_seen:
+            global_count = int(rows[:, 2].sum())
+        else:
+            global_count = int(rows[:, 0 if self.primary_denominator == "tokens" else 1].sum())
+            if local.get("denominator") not in (None, self.primary_denominator):
+                global_count = int(rows[:, 0 if local["denominator"] == "tokens" else 1].sum())
+        if global_count == 0:
+            self.backend.zero_grad(model)
+            self.num_skipped_windows += 1
+            logger.warning(
+                f"Optimizer step {self.state.global_step + 1} has no counted item on any rank: skipped, parameters "
+                f"unchanged ({self.num_skipped_windows} skipped so far)."
+            )
+            return None, num_micro_batches
+        self.backend.scale_grads(model, 1.0 / global_count)
+        return total / global_count, num_micro_batches
+
+    def _summed_terms(self, raw: Any, counts) -> tuple[str, torch.Tensor]:
+        """For deferred normalisation: the micro-batch's summed loss and the ONE denominator all its terms share."""
+        self._custom_count = 0
+        if isinstance(raw, tuple):
+            raw = raw[0]
+        if isinstance(raw, LossTerm):
+            raw = {"loss": raw}
+        if isinstance(raw, Mapping):
+            kinds = {t.normalize_by if isinstance(t.normalize_by, str) else "custom" for t in raw.values()}
+            if len(kinds) != 1:
+                raise GradAccLossError(
+                    f"With `defer_normalization=True` every LossTerm must share one denominator (got {sorted(kinds)}):"
+                    " the gradient is scaled once per step. Turn `defer_normalization` off to mix denominators."
+                )
+            kind = kinds.pop()
+            terms = list(raw.values())
+            if kind == "custom":
+                counts_given = {int(t.normalize_by) for t in terms}
+                if len(counts_given) != 1:
+                    raise GradAccLossError(
+                        f"With `defer_normalization=True` every LossTerm must share one count (got {sorted(counts_given)})"
+                    )
+                self._custom_count = counts_given.pop()
+            summed = terms[0].total
+            for term in terms[1:]:
+                summed = summed + term.total
+            return kind, summed
+        if not torch.is_tensor(raw) or raw.dim() != 0:
+            raise GradAccLossError("compute_loss must return a scalar tensor or LossTerm(s)")
+        local = counts.get(self.primary_denominator)
+        return self.primary_denominator, raw * local if local else raw * 0.0
 
     def _count(self, batch: Mapping[str, Any]):
         head: HeadType = self.head_type or "masked_lm"

@@ -60,6 +60,10 @@ class Backend:
         """Reduce the window's locally accumulated gradient (when no backward pass was final)."""
         raise NotImplementedError(f"the {self.name} backend cannot reduce a window after the fact")
 
+    def scale_grads(self, model: torch.nn.Module, factor: float) -> None:
+        """Multiply the reduced, accumulated gradient by ``factor`` (deferred normalisation)."""
+        raise NotImplementedError(f"the {self.name} backend cannot scale its gradient after the window")
+
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Norm of the accumulated, reduced gradient before clipping; clip when ``max_norm`` is finite."""
         raise NotImplementedError

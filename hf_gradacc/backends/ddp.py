@@ -53,6 +53,11 @@ class DDPBackend(Backend):
             with self.accelerator.trigger_sync_in_backward(model):
                 self.accelerator.backward(zero)
 
+    def scale_grads(self, model: torch.nn.Module, factor: float) -> None:
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor)
+
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
         return norm if torch.is_tensor(norm) else torch.tensor(float(norm))
