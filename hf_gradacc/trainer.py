@@ -270,8 +270,12 @@ class GradAccTrainer(Trainer):
     # ------------------------------------------------------------------ denominators
     @property
     def primary_denominator(self) -> str:
-        """``"samples"`` for sequence classification, ``"tokens"`` for every other head."""
-        return "samples" if self.head_type == "sequence_classification" else "tokens"
+        """``"samples"`` for sequence classification (and unlabelled data), ``"tokens"`` for every other head."""
+        if self.head_type == "sequence_classification":
+            return "samples"
+        if self._window is not None and not self._window.labelled:
+            return "samples"
+        return "tokens"
 
     def _problem_type(self, labels: torch.Tensor | None) -> str | None:
         config = getattr(unwrap_model(self.model), "config", None)
@@ -298,13 +302,13 @@ class GradAccTrainer(Trainer):
                 batch_samples.append(next(epoch_iterator))
             except StopIteration:
                 break
-        if self.head_type is None:
+        counts = [self._count(batch) for batch in batch_samples]
+        if self.head_type is None and all(c.labelled for c in counts) and counts:
             self._warn_once(
                 "unknown_head",
                 "GradAccTrainer could not tell the model's loss family; 'tokens' are counted on unshifted labels. "
                 "Set `head_type` in GradAccConfig if the model shifts its labels (causal LM).",
             )
-        counts = [self._count(batch) for batch in batch_samples]
         self._window = gather_window_counts(counts, self.backend.all_gather, device=device)
         return batch_samples, torch.tensor(self._window.global_count(self.primary_denominator), device=device)
 
@@ -403,6 +407,11 @@ class GradAccTrainer(Trainer):
                         f"LossTerm {name!r} has a custom count ({term.normalize_by!r}); only 'tokens' and 'samples' "
                         "can be counted before the forward pass in this version. Use one of them."
                     )
+                if term.normalize_by == "tokens" and not window.labelled:
+                    raise GradAccLossError(
+                        f"LossTerm {name!r} is normalised by 'tokens' but the batch has no `labels` to count them; "
+                        "use normalize_by='samples', or have the data collator return `labels`."
+                    )
                 global_count = window.global_count(term.normalize_by)
                 if global_count == 0:
                     self._warn_once(
@@ -482,6 +491,23 @@ class GradAccTrainer(Trainer):
             self.backward(loss, final=is_last)
         return sum((p.detach() for _, p in parts), torch.zeros((), device=parts[0][1].device))
 
+    # ------------------------------------------------------------------ regrouped micro-batches (regroup.py)
+    def get_train_dataloader(self):
+        """`Trainer.get_train_dataloader`; with ``regroup_micro_batches`` / ``max_tokens_per_micro_batch`` its batch
+        sampler is a :class:`~hf_gradacc.regroup.WindowRegroupBatchSampler` (same samples per optimizer step, less
+        padding). Iterable datasets keep the stock loader (a warning says so)."""
+        from .regroup import build_train_dataloader
+
+        dataloader = build_train_dataloader(self)
+        return dataloader if dataloader is not None else super().get_train_dataloader()
+
+    def set_initial_training_values(self, args, dataloader):
+        """`Trainer.set_initial_training_values`, counting optimizer steps as windows when a token budget gives
+        windows more than ``gradient_accumulation_steps`` micro-batches."""
+        from .regroup import adjust_training_values
+
+        return adjust_training_values(dataloader, args, super().set_initial_training_values(args, dataloader))
+
     # ------------------------------------------------------------------ the loop
     def _run_epoch(
         self,
@@ -516,11 +542,19 @@ class GradAccTrainer(Trainer):
         gas = self.args.gradient_accumulation_steps
 
         num_update_steps_trained = 0
+        # Regrouped micro-batches (regroup.py): the batch sampler says how many micro-batches each window holds.
+        from .regroup import window_schedule
+
+        schedule = window_schedule(train_dataloader, epoch)
+        if schedule is not None:
+            steps_in_epoch = max(sum(schedule), 1)
         if epoch == epochs_trained and resume_from_checkpoint is not None:
             if steps_trained_in_current_epoch > 0 and not self.args.ignore_data_skip:
+                num_update_steps_trained = steps_trained_in_current_epoch // gas
+                if schedule is not None:
+                    steps_trained_in_current_epoch = sum(schedule[:num_update_steps_trained])
                 train_dataloader = skip_first_batches(train_dataloader, steps_trained_in_current_epoch)
                 step = steps_trained_in_current_epoch - 1
-                num_update_steps_trained = steps_trained_in_current_epoch // gas
                 rng_to_sync = True
             elif steps_trained_in_current_epoch == 0:
                 self._load_rng_state(resume_from_checkpoint)
@@ -535,6 +569,8 @@ class GradAccTrainer(Trainer):
         remainder = steps_in_epoch % gas or gas
         for update_step in range(num_update_steps_trained, num_update_steps_per_epoch):
             num_batches = gas if update_step != (num_update_steps_per_epoch - 1) else remainder
+            if schedule is not None:
+                num_batches = schedule[update_step] if update_step < len(schedule) else 0
             if self._defer_normalization:
                 if rng_to_sync:
                     self._load_rng_state(resume_from_checkpoint)
@@ -818,7 +854,13 @@ class GradAccTrainer(Trainer):
     def _count(self, batch: Mapping[str, Any]):
         head: HeadType = self.head_type or "masked_lm"
         problem_type = self._problem_type(batch.get(LABEL_KEY)) if head == "sequence_classification" else None
-        return count_micro_batch(batch, head, ignore_index=self.ignore_index, problem_type=problem_type)
+        return count_micro_batch(
+            batch,
+            head,
+            ignore_index=self.ignore_index,
+            problem_type=problem_type,
+            allow_unlabelled=self._custom_compute_loss,
+        )
 
     def _optimizer_step(self, model: nn.Module) -> torch.Tensor:
         """Hooks, norm and clipping, `on_pre_optimizer_step`, the step, the scheduler; returns the pre-clip norm."""
@@ -827,6 +869,9 @@ class GradAccTrainer(Trainer):
         self._grads_ready = True
         try:
             self._run_accumulated_grad_hooks()
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, GradAccCallback):
+                    callback.on_accumulated_grads(self.args, self.state, self.control)
             max_norm = self.args.max_grad_norm
             grad_norm = self.backend.clip_grad_norm(
                 model, max_norm if max_norm is not None and max_norm > 0 else float("inf")

@@ -28,6 +28,7 @@ class MicroBatchCounts:
 
     num_tokens: int
     num_samples: int
+    labelled: bool = True
 
     def get(self, denominator: str) -> int:
         return self.num_tokens if denominator == "tokens" else self.num_samples
@@ -41,6 +42,11 @@ class WindowCounts:
     global_tokens: int
     global_samples: int
     num_micro_batches_per_rank: tuple[int, ...]
+
+    @property
+    def labelled(self) -> bool:
+        """False when this rank's micro-batches carry no labels (only samples can be counted)."""
+        return all(mb.labelled for mb in self.micro_batches)
 
     @property
     def local_tokens(self) -> int:
@@ -64,14 +70,20 @@ def count_micro_batch(
     *,
     ignore_index: int = IGNORE_INDEX,
     problem_type: str | None = None,
+    allow_unlabelled: bool = False,
 ) -> MicroBatchCounts:
     """Count the targets of one micro-batch the way its loss family averages them.
 
     - tokens: labels that are not ``ignore_index``; for causal LMs after the shift (``labels[..., 1:]``),
       or ``shift_labels`` as given when the collator provides them.
     - samples: rows; for single-label sequence classification, rows whose label is not ``ignore_index``.
+
+    With ``allow_unlabelled`` (an overridden ``compute_loss``), a batch without labels counts its rows as samples.
     """
     labels = batch.get(LABEL_KEY)
+    if labels is None and SHIFT_LABELS_KEY not in batch and allow_unlabelled:
+        # An overridden compute_loss that returns LossTerm(..., "samples") needs no labels: count rows.
+        return MicroBatchCounts(num_tokens=0, num_samples=rows_of(batch), labelled=False)
     if labels is None and SHIFT_LABELS_KEY not in batch:
         raise GradAccDataError(
             f"The micro-batch has no `{LABEL_KEY}` (keys: {sorted(batch)}), so GradAccTrainer cannot count the "

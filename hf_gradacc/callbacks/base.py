@@ -13,7 +13,10 @@ if TYPE_CHECKING:
 class GradAccCallback(TrainerCallback):
     """Base of the hf_gradacc callbacks: ``self.trainer`` is set when the callback is added to a GradAccTrainer.
 
-    It gives callbacks ``trainer.grads`` (gradient access on every backend) and ``trainer.add_log_metrics``.
+    It gives callbacks ``trainer.grads`` (gradient access on every backend) and ``trainer.add_log_metrics``, and
+    one extra event, ``on_accumulated_grads``: called once per optimizer step on every rank, after the final
+    backward pass and the accumulated-gradient hooks, BEFORE clipping (``on_pre_optimizer_step`` runs after
+    clipping, as in `Trainer`).
 
     Example:
         ```python
@@ -31,6 +34,9 @@ class GradAccCallback(TrainerCallback):
 
     def bind(self, trainer: GradAccTrainer) -> None:
         self.trainer = trainer
+
+    def on_accumulated_grads(self, args, state, control, **kwargs):
+        """The step's gradient is reduced and readable (``self.trainer.grads``), not yet clipped."""
 
     def _require_trainer(self) -> GradAccTrainer:
         if self.trainer is None:

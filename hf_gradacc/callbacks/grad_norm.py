@@ -41,7 +41,7 @@ class GradNormCallback(GradAccCallback):
                 name = name[len(prefix) :]
         return ".".join(name.split(".")[: self.depth])
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+    def on_accumulated_grads(self, args, state, control, **kwargs):
         trainer = self._require_trainer()
         step = state.global_step + 1
         will_log = args.logging_steps and step % max(int(args.logging_steps), 1) == 0
