@@ -1,0 +1,39 @@
+"""The public API is frozen: `__all__` changes only on purpose, and public classes document an example."""
+
+from __future__ import annotations
+
+import pytest
+
+import hf_gradacc
+
+EXPECTED_ALL = [
+    "IGNORE_INDEX",
+    "GradAccConfig",
+    "GradAccConfigError",
+    "GradAccDataError",
+    "GradAccError",
+    "GradAccLossError",
+    "GradAccTrainer",
+    "LossTerm",
+    "UnsupportedBackendError",
+    "__version__",
+]
+
+
+def test_all_is_frozen() -> None:
+    assert sorted(hf_gradacc.__all__) == sorted(EXPECTED_ALL)
+    assert len(hf_gradacc.__all__) == len(set(hf_gradacc.__all__))
+    for name in hf_gradacc.__all__:
+        assert hasattr(hf_gradacc, name), name
+
+
+@pytest.mark.parametrize("name", ["GradAccTrainer", "GradAccConfig", "LossTerm"])
+def test_public_class_docstring_has_example(name: str) -> None:
+    doc = getattr(hf_gradacc, name).__doc__
+    assert doc and "Example" in doc, f"{name} docstring lacks an `Example:` section"
+
+
+def test_errors_share_one_base() -> None:
+    for name in ("GradAccConfigError", "GradAccDataError", "GradAccLossError", "UnsupportedBackendError"):
+        assert issubclass(getattr(hf_gradacc, name), hf_gradacc.GradAccError)
+    assert hf_gradacc.IGNORE_INDEX == -100
