@@ -46,7 +46,8 @@ class LossTerm:
         total: a scalar tensor, the SUM of the loss over this micro-batch's items.
         normalize_by: ``"tokens"`` (labels that are not ``ignore_index``, after the causal shift for
             causal LMs), ``"samples"`` (rows of the micro-batch with a label), or this micro-batch's own
-            count (an int or a scalar tensor), which the trainer sums over the window and all ranks.
+            count (an int or a scalar tensor), which the trainer sums over the window and all ranks — a count
+            only known after the forward pass needs ``GradAccConfig(defer_normalization=True)``.
 
     Example:
         ```python

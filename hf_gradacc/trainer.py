@@ -109,6 +109,10 @@ class GradAccTrainer(Trainer):
                 f"GradAccTrainer does not support torch.nn.DataParallel over {self.args.n_gpu} GPUs in one process; "
                 "launch one process per GPU (`accelerate launch` / `torchrun`) or set CUDA_VISIBLE_DEVICES."
             )
+        if self.head_type is not None and LABEL_KEY not in self.label_names:
+            # Keep `labels` through the Trainer's unused-column removal even when the model's forward does not
+            # take them: GradAccTrainer computes the loss from them.
+            self.label_names = [*self.label_names, LABEL_KEY]
         self.backend: Backend = resolve_backend(self.accelerator, self.args)
         self.backend.check_model(self.model)
         self._backward_per_term: bool = bool(getattr(self.args, "backward_per_term", False))
@@ -404,8 +408,9 @@ class GradAccTrainer(Trainer):
                     )
                 if not isinstance(term.normalize_by, str):
                     raise GradAccLossError(
-                        f"LossTerm {name!r} has a custom count ({term.normalize_by!r}); only 'tokens' and 'samples' "
-                        "can be counted before the forward pass in this version. Use one of them."
+                        f"LossTerm {name!r} has a custom count ({term.normalize_by!r}), known only after the forward "
+                        "pass: set `defer_normalization=True` (the gradient is scaled once per step), or use "
+                        "normalize_by='tokens' / 'samples'."
                     )
                 if term.normalize_by == "tokens" and not window.labelled:
                     raise GradAccLossError(
