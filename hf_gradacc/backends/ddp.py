@@ -50,7 +50,7 @@ class DDPBackend(Backend):
             if param.requires_grad:
                 zero = param.sum() * 0.0 if zero is None else zero + param.sum() * 0.0
         if zero is not None:
-            with self.accelerator.trigger_sync_in_backward(model):
+            with _sync_in_backward(model, zero):
                 self.accelerator.backward(zero)
 
     def scale_grads(self, model: torch.nn.Module, factor: float) -> None:

@@ -1,0 +1,1 @@
+"""Tests on 2 CPU ranks (gloo), started by :mod:`launcher`."""
