@@ -1,0 +1,264 @@
+"""`hf-gradacc check`: the table, the exit status, --json, --model, --plot and usage errors (one process).
+
+Most tests call ``main(argv)`` in-process; one runs ``python -m hf_gradacc check`` as users do. The exactness
+bound is the project's: relative gradient error <= 1e-5 against the float64 full-batch reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from hf_gradacc import cli
+from hf_gradacc.cli import main
+from hf_gradacc.tiny import TASKS
+
+TOLERANCE = 1e-5
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _row(output: str, name: str) -> list[str]:
+    """The cells of the table row of trainer ``name``."""
+    for line in output.splitlines():
+        cells = line.split()
+        if cells and cells[0] == name:
+            return cells
+    raise AssertionError(f"no table row for {name!r} in:\n{output}")
+
+
+def _save_tiny(path: Path, model_class, **config_kwargs) -> Path:
+    """A small BERT / Llama checkpoint written with save_pretrained (no Hub)."""
+    torch.manual_seed(0)
+    if model_class.__name__.startswith("Llama"):
+        config = transformers.LlamaConfig(
+            vocab_size=200,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            **config_kwargs,
+        )
+    else:
+        config = transformers.BertConfig(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            **config_kwargs,
+        )
+    model_class(config).save_pretrained(path)
+    return path
+
+
+def test_check_default_prints_table_and_exits_0(capsys):
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert "task      causal_lm" in out
+    assert "LlamaForCausalLM (built-in tiny model" in out
+    assert "2 per device x 4 accumulation steps x 1 process = 8 samples per step" in out
+    assert f"torch {torch.__version__}" in out and f"transformers {transformers.__version__}" in out
+    ours = _row(out, "GradAccTrainer")
+    assert float(ours[1]) <= TOLERANCE and ours[-1] == "exact"
+    # Causal LM with a `labels` key is the one case the stock Trainer gets right: the report says so.
+    assert _row(out, "Trainer")[-1] == "exact"
+    assert "exact here too" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("hf-gradacc check: GradAccTrainer is exact (rel err ")
+    assert last.endswith("stock Trainer is exact too")
+
+
+def test_check_sequence_classification_json(tmp_path, capsys):
+    report = tmp_path / "check.json"
+    assert main(["check", "--task", "sequence_classification", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert _row(out, "Trainer")[-1] == "WRONG"
+    assert _row(out, "GradAccTrainer")[-1] == "exact"
+    assert "stock Trainer is off by 4.0x" in out.strip().splitlines()[-1]
+
+    data = json.loads(report.read_text())
+    assert data["command"] == "check" and data["is_exact"] is True and data["tolerance"] == TOLERANCE
+    assert data["setup"]["task"] == "sequence_classification"
+    assert data["setup"]["world_size"] == 1 and data["setup"]["num_samples"] == 8
+    assert data["setup"]["versions"]["transformers"] == transformers.__version__
+    ours, stock = data["results"]["GradAccTrainer"], data["results"]["Trainer"]
+    assert ours["relative_error"] <= TOLERANCE and ours["is_exact"] is True
+    assert abs(ours["norm_ratio"] - 1) < 1e-5 and abs(ours["cosine"] - 1) < 1e-9
+    # Each micro-batch's mean counts fully: the stock step is GA = 4 times the full-batch step.
+    assert stock["is_exact"] is False and abs(stock["norm_ratio"] - 4.0) < 1e-3
+    assert data["summary"] == out.strip().splitlines()[-1]
+
+
+def test_check_exits_1_when_not_within_tolerance(capsys):
+    assert main(["check", "--task", "regression", "--gradient_accumulation_steps", "2", "--tolerance", "1e-15"]) == 1
+    out = capsys.readouterr().out
+    assert _row(out, "GradAccTrainer")[-1] == "WRONG"
+    assert "GradAccTrainer is NOT exact" in out.strip().splitlines()[-1]
+
+
+def test_check_model_from_save_pretrained_with_dropout(tmp_path, capsys):
+    # BERT's default dropout (0.1) is on in the checkpoint: the check must switch it off to compare with the reference.
+    path = _save_tiny(tmp_path / "bert-tok", transformers.BertForTokenClassification, num_labels=5)
+    assert main(["check", "--model", str(path), "--gradient_accumulation_steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "task      token_classification" in out  # read from `architectures`
+    assert f"BertForTokenClassification ({path}" in out
+    assert float(_row(out, "GradAccTrainer")[1]) <= TOLERANCE
+    assert _row(out, "Trainer")[-1] == "WRONG"
+
+
+def test_check_model_with_task_override(tmp_path, capsys):
+    # A decoder checkpoint without pad_token_id, loaded for sequence classification: a new head, a pad id set.
+    path = _save_tiny(tmp_path / "llama", transformers.LlamaForCausalLM)
+    status = main(["check", "--model", str(path), "--task", "sequence_classification", "--json", str(tmp_path / "r")])
+    assert status == 0
+    data = json.loads((tmp_path / "r").read_text())
+    assert data["setup"]["model_class"] == "LlamaForSequenceClassification"
+    assert data["results"]["GradAccTrainer"]["relative_error"] <= TOLERANCE
+    assert abs(data["results"]["Trainer"]["norm_ratio"] - 4.0) < 1e-3
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("task", ["causal_lm", "seq2seq", "token_classification", "multi_label_classification"])
+def test_synthetic_samples_stay_within_model_vocab_and_labels(task):
+    config = transformers.BertConfig(vocab_size=9, num_labels=5, pad_token_id=4, max_position_embeddings=16)
+    model = torch.nn.Module()
+    model.config = config
+    samples = cli._synthetic_samples(task, 12, 0, model)
+    assert len(samples) == 12
+    assert {len(s["input_ids"]) for s in samples} != {len(samples[0]["input_ids"])}  # still mixed lengths
+    for s in samples:
+        assert all(2 <= i < 9 and i != 4 for i in s["input_ids"])  # never the pad id inside a row
+        assert len(s["input_ids"]) <= 14
+        labels = s["labels"]
+        if task == "multi_label_classification":
+            assert len(labels) == 5 and set(labels) <= {0.0, 1.0}
+        elif task == "token_classification":
+            assert all(x == -100 or 0 <= x < 5 for x in labels)
+        else:
+            assert all(x == -100 or 2 <= x < 9 for x in labels)
+    if task in ("causal_lm", "token_classification"):
+        assert any(x == -100 for s in samples for x in s["labels"])  # the prompt masking survives
+
+
+def test_check_plot_writes_png_and_curves(tmp_path, capsys):
+    image, report = tmp_path / "curves.png", tmp_path / "curves.json"
+    argv = ["check", "--task", "masked_lm", "--plot", str(image), "--steps", "3", "--json", str(report)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert f"to {image}" in captured.out
+    assert "training " in captured.err  # the progress bar
+    data = image.read_bytes()
+    assert len(data) > 10_000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+
+    curves = json.loads(report.read_text())["loss_curves"]
+    truth = curves["one full batch per step (ground truth)"]["loss"]
+    ours = curves["GradAccTrainer, GA 4"]["loss"]
+    stock = curves["stock Trainer, GA 4"]["loss"]
+    assert len(truth) == len(ours) == len(stock) == 3
+    assert ours[0] == stock[0] == pytest.approx(truth[0], abs=1e-6)  # before any step
+    assert max(abs(a - b) for a, b in zip(ours, truth)) < 1e-5
+    # Masked LM: the stock step points elsewhere (micro-batch means weighted equally), so the run drifts.
+    assert max(abs(a - b) for a, b in zip(stock, truth)) > 1e-4
+    assert len(curves["GradAccTrainer, GA 4"]["logged_loss"]) == 3
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(["check", "--plot", str(tmp_path / "x.png")]) == 2
+    assert "pip install hf_gradacc[plot]" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_bad_task_is_a_usage_error(capsys):
+    assert main(["check", "--task", "summarization"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --task: invalid choice: 'summarization'" in err
+    assert all(task in err for task in TASKS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["check", "--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps: expected an integer >= 1"),
+        (["check", "--tolerance", "-1"], "--tolerance: expected a number > 0"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_values_are_usage_errors(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_errors_name_the_fix(tmp_path, capsys):
+    assert main(["check", "--model", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+    path = _save_tiny(tmp_path / "no-arch", transformers.BertForMaskedLM)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("architectures", None)
+    (path / "config.json").write_text(json.dumps(config))
+    assert main(["check", "--model", str(path)]) == 2
+    assert "pass --task" in capsys.readouterr().err
+
+
+def test_help(capsys):
+    assert main(["--help"]) == 0
+    assert "check" in capsys.readouterr().out
+    assert main(["check", "--help"]) == 0
+    out = capsys.readouterr().out
+    for option in (
+        "--task",
+        "--model",
+        "--per_device_train_batch_size",
+        "--gradient_accumulation_steps",
+        "--seed",
+        "--tolerance",
+        "--json",
+        "--plot",
+        "--steps",
+        "--optimizer",
+        "--learning_rate",
+        "--verbose",
+    ):
+        assert option in out
+    assert main([]) == 2  # no subcommand
+
+
+def test_warns_when_accelerate_started_one_process(monkeypatch, capsys):
+    for key in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    cli._warn_if_launch_fell_back_to_one_process()
+    assert "running as ONE process" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cli._warn_if_launch_fell_back_to_one_process()
+    assert capsys.readouterr().err == ""
+
+
+def test_python_dash_m(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_gradacc", "check", "--task", "token_classification"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("hf-gradacc check: GradAccTrainer is exact") and "stock Trainer is off" in last
+    # Quiet by default: no Trainer log dicts, no DeepSpeed accelerator notice.
+    assert "'loss'" not in proc.stdout and "real_accelerator" not in proc.stderr
