@@ -33,6 +33,7 @@ def one_step_args(
         per_device_train_batch_size=per_device_train_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps,
         max_steps=1,
+        optim="sgd",  # built by the Trainer (so DeepSpeed and FSDP2 get it too): plain SGD, no momentum
         learning_rate=1.0,
         lr_scheduler_type="constant",
         max_grad_norm=0.0,
@@ -58,22 +59,39 @@ def one_step_update(
     train_dataset: Any = None,
     trainer_kwargs: dict[str, Any] | None = None,
 ) -> tuple[dict[str, torch.Tensor], Trainer]:
-    """Train a deep copy of ``model`` for one SGD(lr=1) step; return ``{name: initial - final}`` and the trainer."""
+    """Train a deep copy of ``model`` for one optimizer step; return ``{name: initial - final}`` and the trainer.
+
+    With :func:`one_step_args` the step is SGD(lr=1) built by the Trainer itself, so the update is the accumulated
+    gradient on every backend. Final parameters are gathered in full (ZeRO-3 / FSDP2 shards) through the backend
+    when the trainer has one.
+    """
     model = copy.deepcopy(model)
     initial = {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad}
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    kwargs = dict(trainer_kwargs or {})
+    if str(getattr(args.optim, "value", args.optim)) != "sgd" and "optimizers" not in kwargs:
+        # Arguments not made by one_step_args: keep the promise of a plain SGD(lr=1) step.
+        params = [p for p in model.parameters() if p.requires_grad]
+        kwargs["optimizers"] = (torch.optim.SGD(params, lr=1.0), None)
     trainer = trainer_class(
         model=model,
         args=args,
         train_dataset=train_dataset if train_dataset is not None else ListDataset(samples),
         data_collator=data_collator or PaddingCollator(),
-        optimizers=(optimizer, None),
-        **(trainer_kwargs or {}),
+        **kwargs,
     )
     trainer.train()
-    final = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
-    update = {n: initial[n] - final[n].detach().cpu().float() for n in initial if n in final}
+    final = full_parameters(trainer)
+    update = {n: initial[n] - final[n].float() for n in initial if n in final}
     return update, trainer
+
+
+def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter of the trained model, whole and on the CPU, on every backend."""
+    backend = getattr(trainer, "backend", None)
+    if backend is not None:
+        return backend.full_parameters(trainer.model_wrapped)
+    module = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    return {n: p.detach().cpu() for n, p in module.named_parameters()}
 
 
 def compare_with_reference(

@@ -75,6 +75,11 @@ class Backend:
     def zero_grad(self, model: torch.nn.Module) -> None:
         model.zero_grad()
 
+    def full_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, detached, on the CPU (a collective on sharded backends: call on every rank)."""
+        module = self.accelerator.unwrap_model(model)
+        return {n: p.detach().cpu() for n, p in module.named_parameters()}
+
     # ---- gradient access (valid between the final backward pass and the optimizer step)
     def full_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
         """The full reduced gradient of ``param``. Replicated backends return ``param.grad`` itself."""

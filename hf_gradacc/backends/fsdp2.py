@@ -332,6 +332,13 @@ class FSDP2Backend(Backend):
         return norm if torch.is_tensor(norm) else torch.tensor(float(norm))
 
     # ---- gradient access: grads are DTensors sharded on dim 0 (Replicate x Shard(0) under HSDP)
+    def full_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        # DTensor shards are all-gathered (a collective: every rank, same order).
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for n, p in fsdp_root(model).named_parameters()
+        }
+
     def full_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 

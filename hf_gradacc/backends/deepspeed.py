@@ -1,0 +1,392 @@
+"""DeepSpeed ZeRO-1/2/3 through accelerate: GradAccTrainer drives the engine itself.
+
+``accelerator.backward`` is not used: it sets the accumulation boundary from accelerate's ``sync_gradients`` on
+every call and runs ``engine.step()`` inside every boundary backward, so a second backward pass steps twice and
+callbacks see the gradient after the step. Here every backward pass is ``engine.backward(loss,
+scale_wrt_gas=False)`` with the boundary set to "final backward pass of the window" just before it, and
+``engine.step()`` runs once per window, after the norm and the ``on_pre_optimizer_step`` callbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..config import ZERO_REDUCTIONS
+from ..errors import GradAccConfigError, UnsupportedBackendError
+from .base import Backend
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import TrainingArguments
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ZERO_STAGES = (1, 2, 3)
+
+
+def _is_set(value: Any) -> bool:
+    """A DeepSpeed config value the user wrote (not missing, not ``"auto"``)."""
+    return value is not None and value != "auto"
+
+
+def _clip_value(value: Any) -> float:
+    """A clipping threshold as DeepSpeed reads it: ``0.0`` means no clipping."""
+    if value is None:
+        return 0.0
+    value = float(value)
+    return value if value > 0 and math.isfinite(value) else 0.0
+
+
+def check_deepspeed_config(config: dict[str, Any], args: TrainingArguments, num_processes: int) -> dict[str, Any]:
+    """Check a DeepSpeed config against the TrainingArguments and fill what GradAccTrainer needs, in place.
+
+    GradAccTrainer owns the accumulation (DeepSpeed never divides the loss by its own
+    ``gradient_accumulation_steps``) and the clipping threshold comes from ``max_grad_norm`` (DeepSpeed's own
+    default ``gradient_clipping`` is 1.0, which would clip silently). Values the user wrote that disagree raise
+    :class:`~hf_gradacc.GradAccConfigError` naming both settings; missing and ``"auto"`` values are filled.
+
+    Example:
+        ```python
+        config = {"zero_optimization": {"stage": 2}, "gradient_clipping": "auto"}
+        check_deepspeed_config(config, args, num_processes=2)
+        assert config["gradient_clipping"] == (args.max_grad_norm or 0.0)
+        ```
+    """
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if not isinstance(stage, int) or stage not in SUPPORTED_ZERO_STAGES:
+        raise UnsupportedBackendError(
+            f"DeepSpeed ZeRO stage {stage!r} is not supported by GradAccTrainer; supported: {SUPPORTED_ZERO_STAGES}. "
+            "Set `zero_stage` in the accelerate config (or `zero_optimization.stage` in the DeepSpeed config)."
+        )
+    gas = args.gradient_accumulation_steps
+    micro = args.per_device_train_batch_size
+    pairs = (
+        ("gradient_accumulation_steps", gas, "gradient_accumulation_steps"),
+        ("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size"),
+    )
+    for ds_key, wanted, hf_key in pairs:
+        value = config.get(ds_key)
+        if _is_set(value) and int(value) != wanted:
+            raise GradAccConfigError(
+                f"DeepSpeed `{ds_key}` ({value}) differs from TrainingArguments `{hf_key}` ({wanted}). Set "
+                f"`{ds_key}` to 'auto' in the DeepSpeed config (or drop it from the accelerate config's "
+                f"`deepspeed_config`) so it follows `{hf_key}`, or make them equal."
+            )
+        config[ds_key] = wanted
+    total = config.get("train_batch_size")
+    if _is_set(total) and int(total) != micro * gas * num_processes:
+        raise GradAccConfigError(
+            f"DeepSpeed `train_batch_size` ({total}) is not `per_device_train_batch_size` x "
+            f"`gradient_accumulation_steps` x processes ({micro} x {gas} x {num_processes} = "
+            f"{micro * gas * num_processes}). Set `train_batch_size` to 'auto' in the DeepSpeed config. (Without "
+            "GPU and with `TrainingArguments(deepspeed=...)`, 'auto' was filled for 1 process: call "
+            "hf_gradacc.patches.enable_cpu_distributed() before building the TrainingArguments.)"
+        )
+    config["train_batch_size"] = micro * gas * num_processes
+    wanted_clip = _clip_value(args.max_grad_norm)
+    clip = config.get("gradient_clipping")
+    if _is_set(clip) and _clip_value(clip) != wanted_clip:
+        raise GradAccConfigError(
+            f"DeepSpeed `gradient_clipping` ({clip}) differs from TrainingArguments `max_grad_norm` "
+            f"({args.max_grad_norm}). GradAccTrainer clips with `max_grad_norm`: set `gradient_clipping` to 'auto' "
+            "in the DeepSpeed config (or drop it from the accelerate config), or set `max_grad_norm` to the same "
+            "value."
+        )
+    config["gradient_clipping"] = wanted_clip
+    if config.get("managed_gradient_accumulation", True) is False:
+        raise GradAccConfigError(
+            "DeepSpeed `managed_gradient_accumulation` is false; GradAccTrainer sets the accumulation boundary on "
+            "every backward pass, which needs it true (the default). Remove it from the DeepSpeed config."
+        )
+    return config
+
+
+def check_client_optimizer(optimizer: Any) -> None:
+    """Raise when DeepSpeed cannot step ``optimizer`` the way GradAccTrainer needs (one ``step()`` per window).
+
+    DeepSpeed wraps a torch optimizer into its ZeRO optimizer and calls ``step()`` without a closure; a
+    layer-wise optimizer (transformers' ``*_layerwise`` ``optim``) updates inside backward hooks instead.
+
+    Example:
+        ```python
+        check_client_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))   # fine
+        check_client_optimizer(torch.optim.LBFGS(model.parameters()))         # raises GradAccConfigError
+        ```
+    """
+    name = type(optimizer).__name__
+    if name == "LayerWiseDummyOptimizer":
+        raise GradAccConfigError(
+            "A layer-wise optimizer (`optim='*_layerwise'`) updates parameters inside backward hooks; DeepSpeed "
+            "cannot take it. Choose an `optim` without '_layerwise' (or drop DeepSpeed)."
+        )
+    step = getattr(type(optimizer), "step", None)
+    if step is None:
+        raise GradAccConfigError(f"The optimizer {name} has no step(); DeepSpeed needs a torch.optim.Optimizer.")
+    closure = inspect.signature(step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise GradAccConfigError(
+            f"The optimizer {name} needs a closure in step(); DeepSpeed calls step() without one. Use an optimizer "
+            "whose step() takes no required closure (`optim` in TrainingArguments)."
+        )
+
+
+class DeepSpeedBackend(Backend):
+    """DeepSpeed ZeRO-1/2/3: the trainer sets the boundary, runs ``engine.backward`` and ``engine.step`` itself.
+
+    Gradient reduction per ``zero_reduction`` (a :class:`~hf_gradacc.GradAccConfig` field):
+
+    - ``'per_micro_batch'`` (default, upstream behaviour): ZeRO-2/3 reduce-scatter the gradient after every
+      micro-batch and keep only this rank's shard, summed over the micro-batches (least memory, one reduction per
+      micro-batch). ZeRO-1 keeps full local gradients and reduces once, on the final backward pass.
+    - ``'per_window'``: the window runs inside ``engine.coalesce_grad_reduction()``; every rank keeps the full
+      local gradient and one reduction runs after the final backward pass (least communication, full gradient
+      memory on ZeRO-2/3).
+
+    DeepSpeed averages over the data-parallel ranks, so the trainer's normalisation (sum / global count x world
+    size) is exact, and ``scale_wrt_gas=False`` keeps DeepSpeed from dividing by its accumulation steps again.
+    ``clip_grad_norm`` returns the exact global norm before the step (one all-reduce of per-parameter sums of
+    squares); the clipping itself runs inside ``engine.step()`` with ``gradient_clipping`` = ``max_grad_norm``.
+    Between the final backward pass and the step, ``full_grad`` (``deepspeed.utils.safe_get_full_grad``, a
+    collective) and ``local_grad`` read the reduced gradient, which ``on_pre_optimizer_step`` callbacks see.
+
+    Example:
+        ```python
+        # accelerate launch --config_file examples/accelerate_configs/zero2.yaml train.py
+        args = GradAccConfig(output_dir="out", gradient_accumulation_steps=8, zero_reduction="per_window")
+        trainer = GradAccTrainer(model=model, args=args, train_dataset=ds, data_collator=collator)
+        trainer.train()
+        ```
+    """
+
+    name = "deepspeed"
+
+    def __init__(self, accelerator: Accelerator, args: TrainingArguments) -> None:
+        super().__init__(accelerator, args)
+        self.zero_reduction: str = getattr(args, "zero_reduction", "per_micro_batch")
+        if self.zero_reduction not in ZERO_REDUCTIONS:
+            raise GradAccConfigError(f"`zero_reduction` ({self.zero_reduction!r}) must be one of {ZERO_REDUCTIONS}")
+        self._check_process_count()
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is None:
+            raise UnsupportedBackendError("accelerate reports DeepSpeed but holds no DeepSpeed plugin (config).")
+        check_deepspeed_config(plugin.deepspeed_config, args, accelerator.num_processes)
+        self.zero_stage: int = int(plugin.deepspeed_config["zero_optimization"]["stage"])
+        self.engine: Any = None
+        self._window_reduction: contextlib.ExitStack | None = None
+        self._warned: set[str] = set()
+
+    def _check_process_count(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.accelerator.num_processes:
+            raise UnsupportedBackendError(
+                f"accelerate reports {self.accelerator.num_processes} process(es) but torch.distributed has "
+                f"{dist.get_world_size()} ranks, so counts and data sharding would be wrong. This happens with a "
+                "DeepSpeed config on a host without GPU: set HF_GRADACC_CPU_DISTRIBUTED=1 (or call "
+                "hf_gradacc.patches.enable_cpu_distributed() before building TrainingArguments)."
+            )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        from deepspeed import DeepSpeedEngine
+
+        if not isinstance(model, DeepSpeedEngine):
+            raise UnsupportedBackendError(
+                f"accelerate reports DeepSpeed but the prepared model is a {type(model).__name__}, not a "
+                "DeepSpeedEngine. Let the Trainer prepare the model (do not pass an already-prepared one)."
+            )
+        engine = model
+        self.engine = engine
+        stage = self.zero_stage = int(engine.zero_optimization_stage())
+        zero_optimizer = engine.optimizer
+        if stage not in SUPPORTED_ZERO_STAGES or not hasattr(zero_optimizer, "_coalesce_grad_reduction"):
+            raise UnsupportedBackendError(
+                f"DeepSpeed built a {type(zero_optimizer).__name__} (ZeRO stage {stage}); GradAccTrainer drives the "
+                "ZeRO-1/2/3 optimizers (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3). With bf16 and "
+                "ZeRO-1, drop `data_types.grad_accum_dtype: fp32` from the DeepSpeed config, or use ZeRO-2."
+            )
+        basic = getattr(zero_optimizer, "optimizer", None)
+        if basic is not None:
+            check_client_optimizer(basic)
+        if engine.dp_world_size != self.dp_world_size:
+            raise UnsupportedBackendError(
+                f"DeepSpeed's data-parallel size ({engine.dp_world_size}) differs from the number of processes "
+                f"({self.dp_world_size}): tensor, pipeline or sequence parallelism is not supported by "
+                "GradAccTrainer. Use pure data parallelism."
+            )
+        wanted_clip = _clip_value(self.args.max_grad_norm)
+        if _clip_value(engine.gradient_clipping()) != wanted_clip:
+            raise GradAccConfigError(
+                f"The DeepSpeed engine clips at {engine.gradient_clipping()} but `max_grad_norm` is "
+                f"{self.args.max_grad_norm}; the DeepSpeed config was changed after GradAccTrainer checked it. Set "
+                "`gradient_clipping` to 'auto'."
+            )
+        logger.info(
+            f"DeepSpeed ZeRO-{stage}: GradAccTrainer drives the engine; gradient reduction {self.zero_reduction!r}, "
+            f"clipping at {wanted_clip or 'off'}."
+        )
+
+    def _engine(self, model: torch.nn.Module) -> Any:
+        return self.engine if self.engine is not None else model
+
+    # ------------------------------------------------------------------ the window
+    @contextlib.contextmanager
+    def _micro_batch(self, model: torch.nn.Module, *, is_last: bool) -> Iterator[None]:
+        engine = self._engine(model)
+        if self.zero_reduction == "per_window" and self._window_reduction is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(engine.coalesce_grad_reduction())
+            self._window_reduction = stack
+        # DeepSpeed reads the boundary flag before forward and backward; the backward pass sets it again.
+        engine.set_gradient_accumulation_boundary(is_last and not self.multi_backward)
+        try:
+            yield
+        except BaseException:
+            self._close_window()
+            raise
+        if is_last:
+            self._close_window()
+
+    def _close_window(self) -> None:
+        stack, self._window_reduction = self._window_reduction, None
+        if stack is not None:
+            stack.close()  # leaving coalesce_grad_reduction runs the window's one reduction
+
+    def sync_context(self, model: torch.nn.Module, *, is_last: bool) -> contextlib.AbstractContextManager:
+        return self._micro_batch(model, is_last=is_last)
+
+    def backward(
+        self, loss: torch.Tensor, *, model: torch.nn.Module, is_final: bool, retain_graph: bool = False
+    ) -> None:
+        engine = self._engine(model)
+        if retain_graph and self.zero_stage == 3:
+            raise GradAccConfigError(
+                "A second backward pass through one forward pass (retain_graph=True) fails inside DeepSpeed ZeRO-3 "
+                "(the partitioned gradient sizes no longer match). Set `backward_per_term=False` (the terms are "
+                "summed: same gradient), or run one forward per backward pass."
+            )
+        # A boundary on a non-final backward would reduce (and, on ZeRO-1/2, drop) the gradient accumulated so far.
+        engine.set_gradient_accumulation_boundary(is_final)
+        engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+
+    # ------------------------------------------------------------------ gradients
+    def _loss_scale(self) -> float:
+        engine = self.engine
+        if engine is None or not engine.fp16_enabled():
+            return 1.0
+        return float(engine.optimizer.loss_scale)
+
+    def _named_trainable(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+        module = self._engine(model).module
+        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    def _local_view(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """This rank's live part of ``param``'s reduced gradient (flat), None when it holds none."""
+        from deepspeed.utils import safe_get_local_grad
+
+        if hasattr(param, "ds_id"):  # ZeRO-3
+            return safe_get_local_grad(param)
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:  # ZeRO-1/2: the parameter lies in other ranks' partitions
+            return None
+        return mapping.get_lp_grad_fragment(param._index_in_param_group)
+
+    def full_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+        """The full reduced gradient (``safe_get_full_grad``): a collective, call it on every rank in one order."""
+        from deepspeed.utils import safe_get_full_grad
+
+        grad = safe_get_full_grad(param)
+        if grad is None:
+            shape = getattr(param, "ds_shape", param.shape)
+            return torch.zeros(shape, dtype=torch.float32, device=param.device)
+        scale = self._loss_scale()
+        return grad / scale if scale != 1.0 else grad
+
+    def local_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's flat part of the reduced gradient (its ZeRO partition); empty when it holds none."""
+        grad = self._local_view(param)
+        if grad is None:
+            return torch.zeros(0, dtype=torch.float32, device=param.device)
+        scale = self._loss_scale()
+        if scale != 1.0:
+            self._warn_once("fp16_local", "Under fp16 the local gradient is a copy: in-place edits do not reach it.")
+            return grad / scale
+        return grad
+
+    def write_full_grad(self, name: str, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Store a full gradient back into this rank's partition (``safe_set_full_grad``; no communication)."""
+        from deepspeed.utils import safe_set_full_grad
+
+        scale = self._loss_scale()
+        safe_set_full_grad(param, grad * scale if scale != 1.0 else grad)
+
+    def grad_sq_norms(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:
+        """Squared L2 norm of every parameter's reduced gradient: local partition sums, one all-reduce."""
+        import torch.distributed as dist
+
+        engine = self.engine
+        device = engine.device if engine is not None else torch.device("cpu")
+        squares = torch.zeros(len(named_params), dtype=torch.float64, device=device)
+        for i, (_, param) in enumerate(named_params):
+            local = self._local_view(param)
+            if local is not None and local.numel() > 0:
+                squares[i] = local.detach().to(device=device, dtype=torch.float64).pow(2).sum()
+        if self.dp_world_size > 1:  # the partitions are disjoint: their sums add up to the full squares
+            group = getattr(getattr(engine, "optimizer", None), "dp_process_group", None)
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+        scale = self._loss_scale()
+        return (squares / (scale * scale)).cpu()
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """The exact global norm before the step; DeepSpeed clips inside ``engine.step()`` at ``max_grad_norm``."""
+        engine = self._engine(model)
+        wanted = _clip_value(max_norm)
+        if _clip_value(engine.gradient_clipping()) != wanted:
+            self._warn_once(
+                "clip",
+                f"clip_grad_norm(max_norm={max_norm}) differs from the engine's gradient_clipping "
+                f"({engine.gradient_clipping()}); DeepSpeed clips at its configured value inside engine.step().",
+            )
+        squares = self.grad_sq_norms(self._named_trainable(model))
+        return squares.sum().sqrt().to(torch.float32)
+
+    # ------------------------------------------------------------------ step
+    def optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        engine = self._engine(model)
+        assert self._window_reduction is None, "the window's gradient reduction is still open at the optimizer step"
+        # Without the boundary flag engine.step() silently skips the update (coalesce_grad_reduction restores the
+        # flag it found on entry, and the first micro-batch set it to False).
+        engine.set_gradient_accumulation_boundary(True)
+        engine.step()
+        from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
+
+        if isinstance(optimizer, DeepSpeedOptimizerWrapper):
+            # A no-op under DeepSpeed (the engine stepped); it keeps the LR scheduler's step bookkeeping, which
+            # otherwise warns that lr_scheduler.step() ran before optimizer.step().
+            optimizer.step()
+
+    def full_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        module = self.accelerator.unwrap_model(model)
+        if self.zero_stage != 3:
+            return {n: p.detach().cpu() for n, p in module.named_parameters()}
+        import deepspeed
+
+        named = list(module.named_parameters())
+        # A collective: every rank gathers every partitioned parameter, in the same order.
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return {n: p.detach().clone().cpu() for n, p in named}
+
+    def zero_grad(self, model: torch.nn.Module) -> None:
+        """Nothing to do: ``engine.step()`` already cleared the ZeRO gradient buffers and ``param.grad``."""
