@@ -100,6 +100,25 @@ class GradAccConfig(TrainingArguments):
         },
     )
 
+    # ---- throughput: regrouped micro-batches (hf_gradacc/regroup.py) ----
+    regroup_micro_batches: bool = field(
+        default=False,
+        metadata={
+            "help": "Map-style datasets: keep each optimizer step's samples (the stock windows) but regroup them into "
+            "micro-batches sorted by length, with minimal padding and balanced over ranks. The update is unchanged "
+            "(the loss is normalised by the step's global count); not applied to IterableDatasets."
+        },
+    )
+    max_tokens_per_micro_batch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Cap on padded tokens (rows x longest row, from `length_column_name` or `input_ids`) per "
+            "micro-batch; implies regrouping. Rows per micro-batch vary; a step whose samples do not fit in "
+            "`gradient_accumulation_steps` micro-batches per rank gets more of them, with the same update."
+        },
+    )
+    # ---- end throughput ----
+
     def __post_init__(self) -> None:
         super().__post_init__()
         validate_gradacc_args(self)
@@ -130,4 +149,17 @@ def validate_gradacc_args(args: TrainingArguments) -> None:
         logger.warning(
             "`average_tokens_across_devices=False` is ignored by GradAccTrainer: the denominator is always counted "
             "over every micro-batch and every data-parallel rank, which is what makes the step exact."
+        )
+    # ---- throughput: regrouped micro-batches ----
+    regroup = getattr(args, "regroup_micro_batches", False)
+    if not isinstance(regroup, bool):
+        raise GradAccConfigError(f"`regroup_micro_batches` ({regroup!r}) must be a bool")
+    budget = getattr(args, "max_tokens_per_micro_batch", None)
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        raise GradAccConfigError(f"`max_tokens_per_micro_batch` ({budget!r}) must be None or an int >= 1")
+    if (regroup or budget is not None) and getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+        raise GradAccConfigError(
+            "`train_sampling_strategy='batch_rebalance'` regroups micro-batches itself (with its own sample order), "
+            "so it cannot be combined with `regroup_micro_batches` / `max_tokens_per_micro_batch`: set "
+            "`train_sampling_strategy='random'` to keep the stock windows, or turn regrouping off."
         )

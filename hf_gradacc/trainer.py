@@ -485,7 +485,16 @@ class GradAccTrainer(Trainer):
                 total = self._term_loss_totals.get(name)
                 value = part.detach().float()
                 self._term_loss_totals[name] = value if total is None else total + value
-        if self._backward_per_term and len(parts) > 1:
+        per_term = self._backward_per_term and len(parts) > 1
+        if per_term and not self.backend.supports_backward_per_term:
+            self._warn_once(
+                "per_term_fallback",
+                f"backward_per_term: the {self.backend.name} backend cannot run several backward passes through one "
+                "forward pass (DeepSpeed ZeRO-3 fails upstream); the terms are summed into ONE backward pass per "
+                "micro-batch instead. The gradient is the same.",
+            )
+            per_term = False
+        if per_term:
             for k, (_, part) in enumerate(parts):
                 last_term = k == len(parts) - 1
                 self.backward(part, final=is_last and last_term, retain_graph=not last_term)

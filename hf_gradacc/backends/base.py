@@ -24,6 +24,8 @@ class Backend:
     # (`backward_per_term=True`, or an overridden `training_step`): forward passes must then not decide the sync,
     # and the FINAL backward pass of the window triggers it.
     multi_backward: bool = False
+    # Whether several backward passes may run through ONE forward pass (retain_graph).
+    supports_backward_per_term: bool = True
     # Whether a window can run with NO collective until `sync_window` (needed by auto_micro_batch).
     supports_deferred_sync: ClassVar[bool] = False
 

@@ -178,6 +178,7 @@ class DeepSpeedBackend(Backend):
             raise UnsupportedBackendError("accelerate reports DeepSpeed but holds no DeepSpeed plugin (config).")
         check_deepspeed_config(plugin.deepspeed_config, args, accelerator.num_processes)
         self.zero_stage: int = int(plugin.deepspeed_config["zero_optimization"]["stage"])
+        self.supports_backward_per_term = self.zero_stage != 3
         self.engine: Any = None
         self._window_reduction: contextlib.ExitStack | None = None
         self._warned: set[str] = set()
@@ -210,6 +211,8 @@ class DeepSpeedBackend(Backend):
         engine = model
         self.engine = engine
         stage = self.zero_stage = int(engine.zero_optimization_stage())
+        # ZeRO-3 fails on a second backward pass through one forward (partitioned gradient sizes no longer match).
+        self.supports_backward_per_term = stage != 3
         zero_optimizer = engine.optimizer
         if stage not in SUPPORTED_ZERO_STAGES or not hasattr(zero_optimizer, "_coalesce_grad_reduction"):
             raise UnsupportedBackendError(

@@ -136,7 +136,7 @@ def _stage_cases(stage: int) -> list[dict[str, Any]]:
     cases.append({"name": f"{SEQCLS}-stock", "task": SEQCLS, "trainer": "stock", "observe_step": True})
     for reduction in ("per_micro_batch", "per_window"):
         cases.append({"name": f"two-steps-{reduction}", "task": CAUSAL, "num_windows": 2, "zero_reduction": reduction})
-    if stage in (1, 2):
+    if stage in (1, 2, 3):  # ZeRO-3 falls back to one backward pass on the summed terms (same gradient)
         for reduction in ("per_micro_batch", "per_window"):
             cases.append(
                 {
@@ -181,16 +181,6 @@ def _stage_cases(stage: int) -> list[dict[str, Any]]:
             {"name": "hooked", "task": CAUSAL, "hook_scale": 0.5, "zero_reduction": "per_window"},
             {"name": "hooked-local", "task": CAUSAL, "hook_scale": 0.5, "hook_local": True},
         ]
-    if stage == 3:  # last: the failed training leaves its engine half-way through a window
-        cases.append(
-            {
-                "name": "multi-backward-error",
-                "task": CAUSAL,
-                "multi_backward": True,
-                "mode": "config_error",
-                "train": True,
-            }
-        )
     if stage == 2:
         cases += [
             {"name": "clipped", "task": CAUSAL, "max_grad_norm": 0.5},
@@ -284,7 +274,7 @@ def test_two_optimizer_steps_agree_across_zero_stages():
 
 
 # ---------------------------------------------------------------------------------------------- several backward passes
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("reduction", ["per_micro_batch", "per_window"])
 def test_two_backward_passes_per_micro_batch_are_exact(stage, reduction):
     rank0 = results_for(stage)[f"multi-backward-{reduction}"][0]
@@ -293,10 +283,14 @@ def test_two_backward_passes_per_micro_batch_are_exact(stage, reduction):
     assert rank0["logged_grad_norm"] == pytest.approx(rank0["reference_grad_norm"], rel=1e-5)
 
 
-def test_two_backward_passes_through_one_forward_raise_on_zero3():
-    for result in results_for(3)["multi-backward-error"]:
-        assert result["error_type"] == "GradAccConfigError", result
-        assert "retain_graph" in result["error"] and "backward_per_term" in result["error"]
+def test_zero3_backward_per_term_falls_back_to_one_backward_pass():
+    """ZeRO-3 cannot backward twice through one forward: the trainer sums the terms instead (exact, see above)."""
+    from hf_gradacc.backends.base import Backend
+
+    assert Backend.supports_backward_per_term is True
+    for reduction in ("per_micro_batch", "per_window"):
+        rank0 = results_for(3)[f"multi-backward-{reduction}"][0]
+        assert rank0["relative_error"] <= TOLERANCE, rank0
 
 
 # ---------------------------------------------------------------------------------------------- clipping, hooks, errors
