@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="show transformers' and accelerate's info logs and the Trainer's printed logs",
     )
     check.set_defaults(handler=run_check)
+
+    from . import bench  # the `bench` subcommand lives with the benchmark code
+
+    bench.add_parser(commands).set_defaults(handler=bench.run)
     return parser
 
 

@@ -262,3 +262,12 @@ def test_python_dash_m(tmp_path):
     assert last.startswith("hf-gradacc check: GradAccTrainer is exact") and "stock Trainer is off" in last
     # Quiet by default: no Trainer log dicts, no DeepSpeed accelerator notice.
     assert "'loss'" not in proc.stdout and "real_accelerator" not in proc.stderr
+
+
+def test_bench_subcommand_is_wired(capsys):
+    from hf_gradacc.cli import main
+
+    assert main(["bench", "--help"]) == 0
+    assert "--max-tokens" in capsys.readouterr().out
+    assert main(["--help"]) == 0
+    assert "bench" in capsys.readouterr().out
