@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from .check import one_step_args
 from .reference import full_batch_loss
 from .tiny import ListDataset
 
@@ -124,25 +125,15 @@ def train_loss_curves(
     def training_args() -> TrainingArguments:
         values: dict[str, Any] = dict(
             output_dir=tempfile.mkdtemp(prefix="hf_gradacc_plot_"),
-            per_device_train_batch_size=bs,
-            gradient_accumulation_steps=gas,
+            max_steps=-1,
             num_train_epochs=1,
             learning_rate=learning_rate,
-            lr_scheduler_type="constant",
-            max_grad_norm=0.0,
-            weight_decay=0.0,
-            report_to=[],
-            save_strategy="no",
-            logging_steps=1,
-            disable_tqdm=True,
-            dataloader_drop_last=False,
             seed=seed,
-            use_cpu=not torch.cuda.is_available(),
             # DeepSpeed builds the optimizer from the args, not from `optimizers=`: keep both the same.
             optim="adamw_torch" if optimizer == "adamw" else "sgd",
         )
         values.update(args_overrides or {})
-        return TrainingArguments(**values)
+        return one_step_args(per_device_train_batch_size=bs, gradient_accumulation_steps=gas, **values)
 
     args = training_args()
     window_size = bs * gas * args.world_size

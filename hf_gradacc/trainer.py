@@ -591,62 +591,23 @@ class GradAccTrainer(Trainer):
                     rng_to_sync = False
                 self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
                 outcome = self._run_deferred_window(model, epoch_iterator, num_batches)
-                if outcome is None:
-                    break  # the data ran out on every rank
-                tr_loss_step, num_micro_batches = outcome
-                step += num_micro_batches
-                if tr_loss_step is None:
-                    continue  # no counted item on any rank: skipped
-                self._tr_loss += tr_loss_step.to(self._tr_loss.device)
-                grad_norm = self._optimizer_step(model)
-                learning_rate = self._get_learning_rate()
-                self.state.global_step += 1
-                self.state.epoch = epoch + (step + 1) / steps_in_epoch
-                self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
-                self._maybe_log_save_evaluate(
-                    self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
-                    learning_rate=learning_rate,
-                )
-                if self.control.should_epoch_stop or self.control.should_training_stop:
-                    break
-                continue
-            batch_samples, _ = self.get_batch_samples(epoch_iterator, num_batches, self.args.device)
-            window = self._window
-            assert window is not None
-            self.current_gradient_accumulation_steps = len(batch_samples)
-            if rng_to_sync:
-                self._load_rng_state(resume_from_checkpoint)
-                rng_to_sync = False
-
-            per_rank = window.num_micro_batches_per_rank
-            if max(per_rank) == 0:
+            else:
+                batch_samples, _ = self.get_batch_samples(epoch_iterator, num_batches, self.args.device)
+                self.current_gradient_accumulation_steps = len(batch_samples)
+                if rng_to_sync:
+                    self._load_rng_state(resume_from_checkpoint)
+                    rng_to_sync = False
+                outcome = self._run_prefetched_window(model, batch_samples)
+            if outcome is None:
                 break  # the data ran out on every rank: the epoch ends here, nothing is carried over
-            if min(per_rank) == 0:
-                raise GradAccDataError(
-                    f"Ranks hold different numbers of micro-batches for this optimizer step ({list(per_rank)}); a "
-                    "rank with none cannot join the gradient reduction. Keep `dataloader_drop_last=False` with "
-                    "accelerate's `even_batches=True` (the default), or give every rank the same number of batches."
-                )
-            if window.global_count(self.primary_denominator) == 0:
-                self.num_skipped_windows += 1
-                step += len(batch_samples)
-                logger.warning(
-                    f"Optimizer step {self.state.global_step + 1} has no counted {self.primary_denominator} on any "
-                    f"rank (every label is {self.ignore_index}): skipped, parameters unchanged "
-                    f"({self.num_skipped_windows} skipped so far)."
-                )
-                continue
-
-            self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
-            tr_loss_step = self._run_window(model, batch_samples)
-            step += len(batch_samples)
+            tr_loss_step, num_micro_batches = outcome
+            step += num_micro_batches
+            if tr_loss_step is None:
+                continue  # no counted item on any rank: skipped, parameters unchanged
             if self.args.logging_nan_inf_filter and (torch.isnan(tr_loss_step) or torch.isinf(tr_loss_step)):
                 self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
             else:
                 self._tr_loss += tr_loss_step.to(self._tr_loss.device)
-            for inputs in batch_samples:
-                self.current_flos += float(self.floating_point_ops(inputs))
-                self._track_num_input_tokens(inputs)
 
             grad_norm = self._optimizer_step(model)
             learning_rate = self._get_learning_rate()
@@ -663,7 +624,6 @@ class GradAccTrainer(Trainer):
                 start_time,
                 learning_rate=learning_rate,
             )
-            self._window = None
             if self.control.should_epoch_stop or self.control.should_training_stop:
                 break
 
@@ -685,6 +645,42 @@ class GradAccTrainer(Trainer):
             start_time,
             learning_rate=learning_rate,
         )
+
+    def _run_prefetched_window(self, model: nn.Module, batch_samples: list) -> tuple[torch.Tensor | None, int] | None:
+        """Checks on the counted window, then its forward and backward passes.
+
+        Returns ``(logged loss, micro-batches)``, ``(None, micro-batches)`` for a window skipped because it has no
+        counted item on any rank, or None when the data ran out on every rank. Every branch here depends only on
+        counts gathered from all ranks, so all ranks take it together.
+        """
+        window = self._window
+        assert window is not None
+        per_rank = window.num_micro_batches_per_rank
+        if max(per_rank) == 0:
+            self._window = None
+            return None
+        if min(per_rank) == 0:
+            raise GradAccDataError(
+                f"Ranks hold different numbers of micro-batches for this optimizer step ({list(per_rank)}); a "
+                "rank with none cannot join the gradient reduction. Keep `dataloader_drop_last=False` with "
+                "accelerate's `even_batches=True` (the default), or give every rank the same number of batches."
+            )
+        if window.global_count(self.primary_denominator) == 0:
+            self.num_skipped_windows += 1
+            logger.warning(
+                f"Optimizer step {self.state.global_step + 1} has no counted {self.primary_denominator} on any "
+                f"rank (every label is {self.ignore_index}): skipped, parameters unchanged "
+                f"({self.num_skipped_windows} skipped so far)."
+            )
+            self._window = None
+            return None, len(batch_samples)
+        self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
+        tr_loss_step = self._run_window(model, batch_samples)
+        for inputs in batch_samples:
+            self.current_flos += float(self.floating_point_ops(inputs))
+            self._track_num_input_tokens(inputs)
+        self._window = None
+        return tr_loss_step, len(batch_samples)
 
     def _run_window(self, model: nn.Module, batch_samples: list) -> torch.Tensor:
         """Forward and backward passes of every micro-batch of the window; returns the window's logged loss.
