@@ -105,7 +105,7 @@ class GradAccTrainer(Trainer):
         else:
             self.head_type = resolve_head_type(self.model, self._requested_head_type)
         if self.args.n_gpu > 1:
-            raise GradAccDataError(
+            raise GradAccConfigError(
                 f"GradAccTrainer does not support torch.nn.DataParallel over {self.args.n_gpu} GPUs in one process; "
                 "launch one process per GPU (`accelerate launch` / `torchrun`) or set CUDA_VISIBLE_DEVICES."
             )
