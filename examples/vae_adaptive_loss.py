@@ -1,7 +1,8 @@
 """A VAE with a reconstruction term and an adversarial term weighted VQGAN-style, trained with exact accumulation.
 
     python examples/vae_adaptive_loss.py --output_dir out --max_steps 20
-    accelerate launch --config_file examples/accelerate_configs/ddp_cpu.yaml examples/vae_adaptive_loss.py --output_dir out
+    accelerate launch --config_file examples/accelerate_configs/ddp_cpu.yaml examples/vae_adaptive_loss.py --output_dir out \
+        --use_cpu true
     HF_GRADACC_CPU_DISTRIBUTED=1 accelerate launch --config_file examples/accelerate_configs/zero2_cpu.yaml \
         examples/vae_adaptive_loss.py --output_dir out
 
@@ -19,11 +20,12 @@ of this example (accumulating two generator terms exactly).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, set_seed
 
 from hf_gradacc import GradAccConfig, GradAccTrainer, LossTerm
 from hf_gradacc.callbacks import GradNormCallback
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = HfArgumentParser((ScriptArguments, GradAccConfig))
     script_args, args = parser.parse_args_into_dataclasses(args=argv)
     args.backward_per_term = not script_args.joint_backward
+    set_seed(args.seed)  # the model is built before the Trainer seeds: same initial weights on every run
     model = TinyVAEGAN()
     trainer = VAETrainer(
         model=model,
@@ -105,11 +108,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     result = trainer.train()
     logged = [h for h in trainer.state.log_history if "loss/reconstruction" in h]
-    summary = {"steps": float(result.global_step), "train_loss": float(result.training_loss)}
+    summary = {
+        "steps": float(result.global_step),
+        "train_loss": float(result.training_loss),
+        "num_processes": float(trainer.accelerator.num_processes),
+    }
     if logged:
         summary.update({k: float(v) for k, v in logged[-1].items() if k.startswith(("loss", "grad_norm"))})
     if trainer.is_world_process_zero():
         print("vae summary:", summary)
+    trainer.end()  # destroys the process group
+    if trainer.accelerator.num_processes > 1:
+        # CPU ranks (gloo): a gloo thread frees the last collective's tensors only once it gets the GIL; if Python is
+        # already shutting down, the rank aborts ("terminate called without an active exception"). Give it the GIL.
+        time.sleep(0.1)
     return summary
 
 

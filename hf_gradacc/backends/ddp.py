@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import UnsupportedBackendError
 from .base import Backend
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import TrainingArguments
 
 
 class DDPBackend(Backend):
@@ -18,6 +24,20 @@ class DDPBackend(Backend):
 
     name = "ddp"
     supports_deferred_sync = True
+
+    def __init__(self, accelerator: Accelerator, args: TrainingArguments) -> None:
+        super().__init__(accelerator, args)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != accelerator.num_processes:
+            # accelerate launch with `distributed_type: MULTI_GPU` on a host without GPU starts the ranks, but
+            # without `use_cpu` each one reports ONE process: every rank would silently train alone on all the data.
+            raise UnsupportedBackendError(
+                f"accelerate reports {accelerator.num_processes} process(es) but torch.distributed has "
+                f"{dist.get_world_size()} ranks, so every rank would train on its own. On a host without GPU (e.g. "
+                "examples/accelerate_configs/ddp_cpu.yaml) set `use_cpu=True` in the TrainingArguments "
+                "(`--use_cpu true`)."
+            )
 
     def sync_context(self, model: torch.nn.Module, *, is_last: bool) -> contextlib.AbstractContextManager:
         if self.dp_world_size == 1 or (is_last and not self.multi_backward):
