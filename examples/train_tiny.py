@@ -3,7 +3,8 @@
 Runs on the built-in tiny model by default (no download), or on your checkpoint with --model_name_or_path.
 
     python examples/train_tiny.py --output_dir out --max_steps 10
-    accelerate launch --config_file examples/accelerate_configs/ddp_cpu.yaml examples/train_tiny.py --output_dir out
+    accelerate launch --config_file examples/accelerate_configs/ddp_cpu.yaml examples/train_tiny.py --output_dir out \
+        --use_cpu true
     python examples/train_tiny.py --output_dir out --task sequence_classification --gradient_accumulation_steps 8
 
 Every GradAccConfig / TrainingArguments field is a flag (HfArgumentParser).
@@ -44,6 +45,7 @@ def main() -> None:
     result = trainer.train()
     if trainer.is_world_process_zero():
         print(f"trained {result.global_step} steps, final train_loss {result.training_loss:.4f}")
+    trainer.end()  # destroys the process group; safe at exit on CPU (gloo) ranks
 
 
 if __name__ == "__main__":

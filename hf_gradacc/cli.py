@@ -595,11 +595,9 @@ def _backend_description(trainer: Any) -> str:
 
 
 def _finish_distributed() -> None:
-    import torch.distributed as dist
+    from .backends import finish_distributed
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_distributed()
 
 
 def _package_version() -> str:

@@ -12,7 +12,7 @@ import torch.nn as nn
 from transformers import Trainer
 
 from . import patches
-from .backends import Backend, resolve_backend
+from .backends import Backend, finish_distributed, resolve_backend
 from .callbacks.base import GradAccCallback
 from .config import validate_gradacc_args
 from .errors import GradAccConfigError, GradAccDataError, GradAccLossError, UnsupportedBackendError
@@ -897,6 +897,18 @@ class GradAccTrainer(Trainer):
             self.lr_scheduler.step()
         self.backend.zero_grad(model)
         return grad_norm
+
+    def end(self) -> None:
+        """`Trainer.end` (finish trackers, destroy the process group), safe at exit on CPU ranks (gloo).
+
+        Example:
+            ```python
+            trainer.train()
+            trainer.end()
+            ```
+        """
+        finish_distributed()  # barrier, destroy the group, let gloo threads finish
+        super().end()  # trackers; the group is already gone
 
     # ------------------------------------------------------------------ evaluation
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import TrainingArguments
 
-__all__ = ["Backend", "DDPBackend", "resolve_backend", "SUPPORTED_BACKENDS"]
+__all__ = ["Backend", "DDPBackend", "finish_distributed", "resolve_backend", "SUPPORTED_BACKENDS"]
 
 SUPPORTED_BACKENDS = (
     "single process (NO)",
@@ -54,3 +54,23 @@ def resolve_backend(accelerator: Accelerator, args: TrainingArguments) -> Backen
         f"GradAccTrainer cannot make accumulation exact under distributed type {dist_type!s}. "
         f"Supported: {', '.join(SUPPORTED_BACKENDS)}. Change the accelerate config (`distributed_type`)."
     )
+
+
+def finish_distributed() -> None:
+    """Wait for every rank, destroy the process group, and let gloo's worker threads finish before exit.
+
+    On CPU ranks (gloo) a worker thread frees the last collective's tensors only once it holds the GIL; if the
+    interpreter is already shutting down then, the rank aborts ("terminate called without an active exception",
+    pytorch issue 190489). A short sleep after destroying the group hands it the GIL. Delete once torch fixes it.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    uses_gloo = dist.get_backend() == "gloo"
+    dist.barrier()
+    dist.destroy_process_group()
+    if uses_gloo:
+        time.sleep(0.1)
