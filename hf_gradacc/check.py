@@ -88,10 +88,11 @@ def one_step_update(
 def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every parameter of the trained model, whole and on the CPU, on every backend."""
     backend = getattr(trainer, "backend", None)
-    if backend is not None:
-        return backend.full_parameters(trainer.model_wrapped)
-    module = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    return {n: p.detach().cpu() for n, p in module.named_parameters()}
+    if backend is None:  # the stock Trainer: its ZeRO-3 / FSDP2 shards are gathered by the matching backend too
+        from .backends import resolve_backend
+
+        backend = resolve_backend(trainer.accelerator, trainer.args)
+    return backend.full_parameters(trainer.model_wrapped)
 
 
 def compare_with_reference(

@@ -269,15 +269,6 @@ def run_check(opts: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    if _env_flag("ACCELERATE_USE_FSDP") or getattr(probe, "fsdp", None):
-        if is_main:
-            print(
-                "hf-gradacc check: error: FSDP runs cannot be measured by `check` yet: the one-step measurement "
-                "passes its own SGD optimizer, which the Trainer refuses under FSDP. Run the check without the FSDP "
-                "config (single process or DDP).",
-                file=sys.stderr,
-            )
-        return EXIT_USAGE
     if world_size == 1:
         _warn_if_launch_fell_back_to_one_process()
     # Exactly one window for all ranks: every rank builds the same samples, the reference sees all of them.
@@ -286,12 +277,15 @@ def run_check(opts: argparse.Namespace) -> int:
     try:
         results: dict[str, Any] = {}
         trainer = None
-        for name, trainer_class in (("Trainer", Trainer), ("GradAccTrainer", GradAccTrainer)):
+        # GradAccTrainer first: its set-up checks (e.g. a model FSDP2 cannot wrap) give a clear error where the
+        # stock Trainer would fail deep inside torch.
+        for name, trainer_class in (("GradAccTrainer", GradAccTrainer), ("Trainer", Trainer)):
             with _quiet_stdout(opts.verbose):
                 update, trainer = one_step_update(
                     trainer_class, model, samples, one_step_args(**step_kwargs), data_collator=collator
                 )
             results[name] = compare_with_reference(update, model, samples, task, data_collator=collator)
+        results = {name: results[name] for name in ("Trainer", "GradAccTrainer")}  # the report's order
     except GradAccError as exc:
         if is_main:
             print(f"hf-gradacc check: error: {exc}", file=sys.stderr)
