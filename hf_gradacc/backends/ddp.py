@@ -42,6 +42,8 @@ class DDPBackend(Backend):
     def sync_context(self, model: torch.nn.Module, *, is_last: bool) -> contextlib.AbstractContextManager:
         if self.dp_world_size == 1 or (is_last and not self.multi_backward):
             return contextlib.nullcontext()
+        if self.multi_backward:
+            return _local_forward_and_backward(self.accelerator, model)
         return self.accelerator.no_sync(model)
 
     def backward(
@@ -81,6 +83,21 @@ class DDPBackend(Backend):
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
         return norm if torch.is_tensor(norm) else torch.tensor(float(norm))
+
+
+@contextlib.contextmanager
+def _local_forward_and_backward(accelerator: Accelerator, model: torch.nn.Module):
+    """`accelerator.no_sync`, with DDP's buffer broadcast in the forward pass turned off as well.
+
+    When every forward pass of the window runs under no_sync (several backward passes, auto_micro_batch, deferred
+    normalisation), DDP still broadcasts buffers in a forward pass that follows one which raised (its post-forward
+    never ran): a rank that ran out of memory would wait in that broadcast while the others wait in the trainer's
+    all-gather. DDP broadcast the buffers when it wrapped the model; in this mode it would not again anyway.
+    """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model.require_forward_param_sync = False
+    with accelerator.no_sync(model):
+        yield
 
 
 @contextlib.contextmanager
