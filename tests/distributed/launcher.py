@@ -22,10 +22,15 @@ Two ways to start the ranks:
 
 Whatever happens, no process outlives :func:`run_workers`: every process group it started is killed at the
 timeout (and on any error).
+
+:func:`run_accelerate` launches the way users do, ``accelerate launch --config_file <yaml> script`` (or ``-m
+module``), on a free ``--main_process_port``, with the same environment (:func:`launch_env`), the same hard
+timeout and the same cleanup (:func:`kill_tree`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,12 +39,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 OUT_DIR_ENV = "HF_GRADACC_TEST_OUT"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT_S = 300.0
 _FAILURE_GRACE_S = 5.0  # how long the other ranks may run on once one rank has failed
 
@@ -102,13 +108,7 @@ class LaunchResult:
 
     def load(self, name: str) -> list[dict]:
         """Every rank's JSON result ``name`` (written by ``workers/_common.write_result``), indexed by rank."""
-        results = []
-        for rank in range(len(self.ranks)):
-            path = self.out_dir / f"{name}.rank{rank}.json"
-            if not path.exists():
-                raise WorkerError(f"rank {rank} wrote no result {name!r} ({path} is missing)\n{self.describe()}")
-            results.append(json.loads(path.read_text()))
-        return results
+        return _load_results(self.out_dir, len(self.ranks), name, self.describe)
 
     def describe(self, tail: int = 4000) -> str:
         """The last ``tail`` characters of each rank's stdout and stderr."""
@@ -120,6 +120,50 @@ class LaunchResult:
         return "\n".join(parts)
 
 
+@dataclass(frozen=True)
+class AccelerateResult:
+    """The outcome of :func:`run_accelerate`: the launcher's streams (all ranks print into them) and exit status
+    (``returncode`` None: killed at the timeout)."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    out_dir: Path
+    nproc: int
+    timed_out: bool
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and self.returncode == 0
+
+    @property
+    def output(self) -> str:
+        """stdout, then stderr."""
+        return self.stdout + self.stderr
+
+    def load(self, name: str) -> list[dict]:
+        """Every rank's JSON result ``name`` (written by ``workers/_common.write_result``), indexed by rank."""
+        return _load_results(self.out_dir, self.nproc, name, self.describe)
+
+    def describe(self, tail: int = 6000) -> str:
+        """The exit status and the last ``tail`` characters of stdout and stderr."""
+        return (
+            f"launch: returncode={self.returncode}, timed_out={self.timed_out}, wall={self.wall_s:.1f}s, "
+            f"out_dir={self.out_dir}\n[stdout]\n{self.stdout[-tail:]}\n[stderr]\n{self.stderr[-tail:]}"
+        )
+
+
+def _load_results(out_dir: Path, nproc: int, name: str, describe: Callable[[], str]) -> list[dict]:
+    results = []
+    for rank in range(nproc):
+        path = out_dir / f"{name}.rank{rank}.json"
+        if not path.exists():
+            raise WorkerError(f"rank {rank} wrote no result {name!r} ({path} is missing)\n{describe()}")
+        results.append(json.loads(path.read_text()))
+    return results
+
+
 def find_free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -127,13 +171,40 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
-def _base_env(extra: Mapping[str, str] | None, out_dir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+def launch_env(
+    out_dir: str | os.PathLike | None = None,
+    extra: Mapping[str, str] | None = None,
+    *,
+    hide_gpus: bool = False,
+    cpu_distributed: bool = False,
+) -> dict[str, str]:
+    """The environment for launched ranks: this one without distributed / accelerate variables, plus quiet defaults.
+
+    Args:
+        out_dir: the folder for the workers' JSON results (``HF_GRADACC_TEST_OUT``); not set if None.
+        extra: variables that win over everything else.
+        hide_gpus: ``CUDA_VISIBLE_DEVICES=""``, so CPU configs stay on the CPU on a host with a GPU too.
+        cpu_distributed: ``HF_GRADACC_CPU_DISTRIBUTED=1`` (DeepSpeed / FSDP2 on CPU ranks).
+
+    Returns:
+        A new dict: ``OMP_NUM_THREADS=1`` and the other thread limits, offline Hub / datasets / W&B, unbuffered
+        output, and ``PYTHONPATH`` starting with the repository root.
+
+    Example:
+        ```python
+        env = launch_env(tmp_path, hide_gpus=True, cpu_distributed=True)
+        ```
+    """
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith("ACCELERATE_")}
     env.update(_QUIET_ENV)
     # Workers import the package and tests/ from the repository checkout.
-    repo_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
-    env[OUT_DIR_ENV] = str(out_dir)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    if hide_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if cpu_distributed:
+        env["HF_GRADACC_CPU_DISTRIBUTED"] = "1"
+    if out_dir is not None:
+        env[OUT_DIR_ENV] = str(out_dir)
     env.update({k: str(v) for k, v in (extra or {}).items()})
     return env
 
@@ -155,19 +226,42 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Kill ``proc``, its process group and every descendant (torchrun puts its workers in sessions of their own)."""
-    descendants = _descendants(proc.pid) if proc.poll() is None else []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the process leads its own session (start_new_session=True)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid in descendants:
+def kill_tree(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
+    """Kill ``proc``, its process group and every descendant, and wait for them (at most ``wait_s`` for those that
+    are not our children).
+
+    ``proc`` must lead its own session (``start_new_session=True``); torchrun and ``accelerate launch`` (torch
+    elastic) start their ranks in sessions of their own, hence the walk over the descendants.
+
+    Example:
+        ```python
+        proc = subprocess.Popen(cmd, start_new_session=True)
         try:
+            proc.wait(timeout=60)
+        finally:
+            kill_tree(proc)
+        ```
+    """
+    descendants = _descendants(proc.pid) if proc.poll() is None else []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in descendants:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     proc.wait()
+    deadline = time.monotonic() + wait_s
+    while descendants and time.monotonic() < deadline:
+        descendants = [pid for pid in descendants if _is_alive(pid)]
+        if descendants:
+            time.sleep(0.02)
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie has released everything; its new parent reaps it
 
 
 def _read(path: Path) -> str:
@@ -222,7 +316,7 @@ def _launch_subprocesses(
             time.sleep(0.05)
     finally:
         for proc in procs:
-            _stop(proc)
+            kill_tree(proc)
         for f in files:
             f.close()
     # None: the rank was still running when it was stopped (timeout, or another rank failed)
@@ -261,7 +355,7 @@ def _launch_torchrun(
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            _stop(proc)
+            kill_tree(proc)
     agent_out, agent_err = _read(logs / "agent.stdout"), _read(logs / "agent.stderr")
     outputs = []
     for rank in range(nproc):
@@ -326,18 +420,119 @@ def run_workers(
     result: LaunchResult | None = None
     for attempt in range(3):  # a free port can be taken between find_free_port() and the bind: retry then
         logs = Path(tempfile.mkdtemp(prefix=f"logs{attempt}_", dir=out))
-        codes, outputs, timed_out = launch(script, nproc, args, _base_env(env, out), find_free_port(), logs, deadline)
+        rank_env = launch_env(out, env)
+        codes, outputs, timed_out = launch(script, nproc, args, rank_env, find_free_port(), logs, deadline)
         result = LaunchResult(
             ranks=tuple(RankOutput(r, codes[r], *outputs[r]) for r in range(nproc)),
             out_dir=out,
             timed_out=timed_out,
             wall_s=time.monotonic() - start,
         )
-        port_taken = any("EADDRINUSE" in o[1] or "address already in use" in o[1].lower() for o in outputs)
+        port_taken = any(_port_taken(o[1]) for o in outputs)
         if result.ok or timed_out or not port_taken:
             break
     assert result is not None
     if check and not result.ok:
         reason = f"timed out after {timeout:.0f}s" if result.timed_out else "a rank failed"
         raise WorkerError(f"{script.name} on {nproc} ranks: {reason}\n{result.describe()}")
+    return result
+
+
+def _port_taken(text: str) -> bool:
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+def run_accelerate(
+    config_file: str | os.PathLike,
+    target: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    module: bool = False,
+    env: Mapping[str, str] | None = None,
+    cpu_distributed: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    out_dir: str | os.PathLike | None = None,
+    cwd: str | os.PathLike | None = None,
+    nproc: int = 2,
+    check: bool = True,
+) -> AccelerateResult:
+    """``accelerate launch --config_file config_file --main_process_port <free> target args`` with a hard timeout.
+
+    The config decides how many ranks start and how; the environment is :func:`launch_env` with the GPUs hidden
+    (the configs are CPU configs). A launch that loses its port to another process before binding it is retried
+    (twice). Whatever happens, the launcher and every rank are gone when this returns.
+
+    Args:
+        config_file: the accelerate YAML.
+        target: the script, or the module name with ``module=True`` (``accelerate launch -m target``).
+        args: its command-line arguments.
+        module: run ``target`` as a module.
+        env: extra environment variables (they win over the defaults).
+        cpu_distributed: set ``HF_GRADACC_CPU_DISTRIBUTED=1`` (DeepSpeed / FSDP2 configs on CPU ranks).
+        timeout: hard wall-clock limit in seconds over all attempts; a launch past it always raises
+            :class:`WorkerError`.
+        out_dir: where the ranks write their JSON results (``HF_GRADACC_TEST_OUT``) and where the launcher's
+            output is logged; a new temp dir if None.
+        cwd: the launch's working directory; the repository root if None.
+        nproc: the number of ranks the config starts (what :meth:`AccelerateResult.load` reads back).
+        check: raise :class:`WorkerError` with the output when the launch exits non-zero.
+
+    Returns:
+        An :class:`AccelerateResult`; ``load(name)`` reads the ranks' JSON results.
+
+    Example:
+        ```python
+        result = run_accelerate(CONFIGS / "zero2_cpu.yaml", WORKER, ["--cases", cases], cpu_distributed=True)
+        rank0, rank1 = result.load("causal_lm")
+        ```
+    """
+    config = Path(config_file)
+    out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="hf_gradacc_accel_"))
+    out.mkdir(parents=True, exist_ok=True)
+    launch_target = ["-m", str(target)] if module else [str(target)]
+    launcher_env = launch_env(out, env, hide_gpus=True, cpu_distributed=cpu_distributed)
+    start = time.monotonic()
+    for attempt in range(3):  # a free port can be taken between find_free_port() and the bind: retry then
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            "--main_process_port",
+            str(find_free_port()),
+            *launch_target,
+            *args,
+        ]
+        stdout_log, stderr_log = out / f"launch{attempt}.stdout", out / f"launch{attempt}.stderr"
+        with open(stdout_log, "w") as stdout, open(stderr_log, "w") as stderr:  # files: a chatty rank cannot block
+            proc = subprocess.Popen(
+                cmd,
+                cwd=cwd if cwd is not None else REPO_ROOT,
+                env=launcher_env,
+                stdout=stdout,
+                stderr=stderr,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            try:
+                code = proc.wait(timeout=max(timeout - (time.monotonic() - start), 1.0))
+            except subprocess.TimeoutExpired:
+                code = None
+            finally:
+                kill_tree(proc)
+        result = AccelerateResult(
+            returncode=code,
+            stdout=_read(stdout_log),
+            stderr=_read(stderr_log),
+            out_dir=out,
+            nproc=nproc,
+            timed_out=code is None,
+            wall_s=time.monotonic() - start,
+        )
+        if code == 0 or code is None or not _port_taken(result.output):
+            break
+    if result.timed_out or (check and not result.ok):
+        reason = f"timed out after {timeout:.0f}s" if result.timed_out else f"exit code {result.returncode}"
+        raise WorkerError(f"accelerate launch {config.name}: {reason}\n{result.describe()}")
     return result

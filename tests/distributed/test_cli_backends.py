@@ -15,15 +15,11 @@ reference over the 16 samples of both ranks. GPUs are hidden so the ranks stay o
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.launcher import find_free_port
+from tests.distributed.launcher import AccelerateResult, run_accelerate
 
 pytestmark = pytest.mark.distributed
 
@@ -32,45 +28,21 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = REPO_ROOT / "examples" / "accelerate_configs"
 # The first DeepSpeed launch on a machine builds DeepSpeed's shm op (about 100 s, then cached).
 TIMEOUT_S = 300
-# Inherited from an enclosing distributed job, these would make the launched processes join the wrong group.
-_DIST_ENV = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "ACCELERATE_USE_DEEPSPEED",
-    "ACCELERATE_USE_FSDP",
-)
 
 
-def _accelerate_launch(config: Path, check_args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        CUDA_VISIBLE_DEVICES="",
-        HF_GRADACC_CPU_DISTRIBUTED="1",
+def _accelerate_launch(config: Path, check_args: list[str], cwd: Path) -> AccelerateResult:
+    """``accelerate launch --config_file config -m hf_gradacc check *check_args`` on its 2 CPU ranks."""
+    return run_accelerate(
+        config,
+        "hf_gradacc",
+        ["check", *check_args],
+        module=True,
+        cpu_distributed=True,
+        timeout=TIMEOUT_S,
+        out_dir=cwd / "launch",
+        cwd=cwd,
+        check=False,
     )
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(config),
-        "--main_process_port", str(find_free_port()),  # the configs leave the port at accelerate's default 29500
-        "-m", "hf_gradacc", "check", *check_args,
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started: our own process group only
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"accelerate launch {config.name} ran past {TIMEOUT_S}s\n{stdout[-4000:]}\n{stderr[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.parametrize(

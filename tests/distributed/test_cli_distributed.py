@@ -8,13 +8,11 @@ prints and writes files, and every process exits 0. GPUs are hidden so the proce
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed.launcher import run_accelerate
 
 pytestmark = pytest.mark.distributed
 
@@ -22,40 +20,15 @@ TOLERANCE = 1e-5
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG = REPO_ROOT / "examples" / "accelerate_configs" / "ddp_cpu.yaml"
 TIMEOUT_S = 420
-# Inherited from an enclosing distributed job, these would make the launched processes join the wrong group.
-_DIST_ENV = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-)
-
-
-def _accelerate_launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *args]
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started: our own process group only
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"accelerate launch ran past {TIMEOUT_S}s\n{stdout[-4000:]}\n{stderr[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def test_check_and_plot_on_two_cpu_processes(tmp_path):
     report, image = tmp_path / "check.json", tmp_path / "curves.png"
-    proc = _accelerate_launch(
+    proc = run_accelerate(
+        CONFIG,
+        "hf_gradacc",
         [
-            "--config_file", str(CONFIG),
-            "-m", "hf_gradacc", "check",
+            "check",
             "--task", "sequence_classification",
             "--json", str(report),
             "--plot", str(image),
@@ -63,7 +36,11 @@ def test_check_and_plot_on_two_cpu_processes(tmp_path):
             "--optimizer", "sgd",
             "--learning_rate", "0.1",
         ],
+        module=True,
+        timeout=TIMEOUT_S,
+        out_dir=tmp_path / "launch",
         cwd=tmp_path,
+        check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 

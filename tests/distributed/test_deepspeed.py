@@ -9,14 +9,8 @@ DeepSpeed's shm op (about 100 s, then cached in the torch extensions cache).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +20,7 @@ pytest.importorskip("deepspeed")
 
 from hf_gradacc.backends.deepspeed import check_client_optimizer, check_deepspeed_config  # noqa: E402
 from hf_gradacc.errors import GradAccConfigError, UnsupportedBackendError  # noqa: E402
-from tests.distributed.launcher import OUT_DIR_ENV, WorkerError, find_free_port, run_workers  # noqa: E402
+from tests.distributed.launcher import run_accelerate, run_workers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ds_workers" / "ds_cases.py"
@@ -41,79 +35,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 # ---------------------------------------------------------------------------------------------- launching
 def launch_accelerate(config: Path, cases: list[dict[str, Any]], timeout: float = LAUNCH_TIMEOUT_S) -> dict[str, list]:
     """``accelerate launch --config_file config`` the worker on its 2 CPU ranks; every rank's result per case."""
-    out = Path(tempfile.mkdtemp(prefix="hf_gradacc_ds_"))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        WANDB_DISABLED="true",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-        HF_GRADACC_CPU_DISTRIBUTED="1",
-        **{OUT_DIR_ENV: str(out)},
+    result = run_accelerate(
+        config,
+        WORKER,
+        ["--cases", json.dumps(cases)],
+        cpu_distributed=True,
+        timeout=timeout,
+        out_dir=tempfile.mkdtemp(prefix="hf_gradacc_ds_"),
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(config),
-        "--main_process_port",
-        str(find_free_port()),
-        str(WORKER),
-        "--cases",
-        json.dumps(cases),
-    ]
-    log = out / "launch.log"
-    start = time.monotonic()
-    with open(log, "w") as stream:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=env,
-            stdout=stream,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            _kill_tree(proc)
-    text = log.read_text(errors="replace")
-    if code != 0:
-        reason = f"timed out after {timeout:.0f}s" if code is None else f"exit code {code}"
-        raise WorkerError(
-            f"accelerate launch {config.name}: {reason} ({time.monotonic() - start:.0f}s)\n{text[-6000:]}"
-        )
-    results = {}
-    for case in cases:
-        results[case["name"]] = [json.loads((out / f"{case['name']}.rank{r}.json").read_text()) for r in range(2)]
-    return results
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """Kill the launcher and every rank: torch elastic starts the ranks in sessions of their own."""
-    import psutil
-
-    if proc.poll() is not None:
-        return
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    psutil.wait_procs(children, timeout=10)
+    return {case["name"]: result.load(case["name"]) for case in cases}
 
 
 CAUSAL = "causal_lm"

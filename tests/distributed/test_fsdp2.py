@@ -9,10 +9,6 @@ of both ranks (float32 training). All 2-rank cases run in one launch (module fix
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +17,7 @@ import pytest
 import torch
 
 from hf_gradacc.errors import GradAccConfigError, UnsupportedBackendError
-from tests.distributed.launcher import OUT_DIR_ENV, find_free_port, run_workers
+from tests.distributed.launcher import run_accelerate, run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -293,57 +289,19 @@ def test_fsdp_cpu_switch_reaches_partial_state(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- accelerate launch
-def _accelerate_launch(
-    config: Path, worker_args: list[str], out_dir: Path, timeout: float
-) -> subprocess.CompletedProcess:
-    drop = (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "ACCELERATE_USE_FSDP",
-        "ACCELERATE_USE_DEEPSPEED",
-        "ACCELERATE_USE_CPU",
-    )
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
-        HF_GRADACC_CPU_DISTRIBUTED="1",
-        **{OUT_DIR_ENV: str(out_dir)},
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(config),
-        "--main_process_port",
-        str(find_free_port()),
-        str(WORKER),
-        *worker_args,
-    ]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"accelerate launch timed out after {timeout}s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-
-
 def test_accelerate_launch_with_the_cpu_config():
     out_dir = Path(tempfile.mkdtemp(prefix="hf_gradacc_fsdp2_accel_"))
     case = {"name": "accelerate-causal_lm", "task": "causal_lm", "fsdp_sync": "deferred"}
-    done = _accelerate_launch(CPU_YAML, ["--cases", json.dumps([case]), "--launcher", "accelerate"], out_dir, 300)
-    assert done.returncode == 0, done.stdout[-6000:]
+    done = run_accelerate(
+        CPU_YAML,
+        WORKER,
+        ["--cases", json.dumps([case]), "--launcher", "accelerate"],
+        cpu_distributed=True,
+        timeout=300,
+        out_dir=out_dir,
+        check=False,
+    )
+    assert done.returncode == 0, done.output[-6000:]
     rank0 = json.loads((out_dir / f"{case['name']}.rank0.json").read_text())
     assert rank0["distributed_type"].endswith("FSDP") and rank0["param_types"] == ["DTensor"]
     _assert_exact(rank0["update"], "update under accelerate launch")

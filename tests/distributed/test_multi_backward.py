@@ -13,21 +13,15 @@ of the window over both ranks' samples, at the parameters the step started from 
 from __future__ import annotations
 
 import ast
-import contextlib
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .launcher import OUT_DIR_ENV, WorkerError, find_free_port, run_workers
+from .launcher import run_accelerate, run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -49,98 +43,6 @@ CASES = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------- launching
-def _env(out_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("ACCELERATE_")}
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        WANDB_DISABLED="true",
-        PYTHONUNBUFFERED="1",
-        CUDA_VISIBLE_DEVICES="",  # stay on the CPU ranks the configs describe, also on a host with a GPU
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-        **{OUT_DIR_ENV: str(out_dir)},
-    )
-    env.update(extra or {})
-    return env
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """Kill the launcher and every rank (torch elastic starts the ranks in sessions of their own)."""
-    import psutil
-
-    if proc.poll() is not None:
-        return
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    psutil.wait_procs(children, timeout=10)
-
-
-def accelerate_launch(config: Path, script_and_args: list[str], env: dict[str, str], *, check: bool = True) -> str:
-    """``accelerate launch --config_file config script ...`` on 2 CPU ranks; its output (WorkerError when it fails
-    and ``check``)."""
-    start = time.monotonic()
-    for attempt in range(3):  # the free port can be taken before the launch binds it: retry then
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(config),
-            "--main_process_port",
-            str(find_free_port()),
-            *script_and_args,
-        ]
-        log = Path(env[OUT_DIR_ENV]) / f"launch{attempt}.log"
-        with open(log, "w") as stream:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=REPO,
-                env=env,
-                stdout=stream,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            try:
-                code = proc.wait(timeout=max(LAUNCH_TIMEOUT_S - (time.monotonic() - start), 1.0))
-            except subprocess.TimeoutExpired:
-                code = None
-            finally:
-                _kill_tree(proc)
-        text = log.read_text(errors="replace")
-        if code == 0 or code is None or not ("EADDRINUSE" in text or "address already in use" in text.lower()):
-            break
-    if code != 0 and (check or code is None):
-        reason = f"timed out after {LAUNCH_TIMEOUT_S:.0f}s" if code is None else f"exit code {code}"
-        raise WorkerError(
-            f"accelerate launch {config.name}: {reason} ({time.monotonic() - start:.0f}s)\n{text[-6000:]}"
-        )
-    return text
-
-
-def _load(out_dir: Path, name: str) -> list[dict[str, Any]]:
-    results = []
-    for rank in range(NPROC):
-        path = out_dir / f"{name}.rank{rank}.json"
-        if not path.exists():
-            raise WorkerError(f"rank {rank} wrote no result {name!r} ({path} is missing)")
-        results.append(json.loads(path.read_text()))
-    return results
-
-
 _RESULTS: dict[str, dict[str, list[dict[str, Any]]]] = {}
 
 
@@ -156,10 +58,16 @@ def results_for(backend: str) -> dict[str, list[dict[str, Any]]]:
         results = {case["name"]: launch.load(case["name"]) for case in CASES}
     else:
         pytest.importorskip("deepspeed")
-        out = Path(tempfile.mkdtemp(prefix=f"hf_gradacc_mb_{backend}_"))
-        env = _env(out, {"HF_GRADACC_CPU_DISTRIBUTED": "1"})
-        accelerate_launch(CONFIGS / f"{backend}_cpu.yaml", [str(WORKER), "--backend", "deepspeed", *worker_args], env)
-        results = {case["name"]: _load(out, case["name"]) for case in CASES}
+        launch = run_accelerate(
+            CONFIGS / f"{backend}_cpu.yaml",
+            WORKER,
+            ["--backend", "deepspeed", *worker_args],
+            nproc=NPROC,
+            cpu_distributed=True,
+            timeout=LAUNCH_TIMEOUT_S,
+            out_dir=tempfile.mkdtemp(prefix=f"hf_gradacc_mb_{backend}_"),
+        )
+        results = {case["name"]: launch.load(case["name"]) for case in CASES}
     _RESULTS[backend] = results
     return results
 
@@ -280,11 +188,14 @@ def vae_run(backend: str) -> tuple[str, dict[str, float]]:
         if backend.startswith("zero"):
             pytest.importorskip("deepspeed")
         out = Path(tempfile.mkdtemp(prefix=f"hf_gradacc_vae_{backend}_"))
-        text = accelerate_launch(
+        text = run_accelerate(
             CONFIGS / config,
-            [str(VAE_EXAMPLE), "--output_dir", str(out / "run"), *VAE_ARGS, *extra_args],
-            _env(out, extra_env),
-        )
+            VAE_EXAMPLE,
+            ["--output_dir", str(out / "run"), *VAE_ARGS, *extra_args],
+            env=extra_env,
+            timeout=LAUNCH_TIMEOUT_S,
+            out_dir=out,
+        ).output
         lines = [line for line in text.splitlines() if line.startswith("vae summary: ")]
         assert len(lines) == 1, f"expected one summary (rank 0 of one 2-rank run), got {len(lines)}:\n{text[-4000:]}"
         _VAE[backend] = (text, ast.literal_eval(lines[0][len("vae summary: ") :]))
@@ -311,11 +222,13 @@ def test_vae_example_gives_the_same_training_under_ddp_and_zero2():
 def test_ddp_cpu_config_without_use_cpu_is_a_clear_error():
     """Without `--use_cpu`, ddp_cpu.yaml starts 2 ranks that each report ONE process: refused, not trained apart."""
     out = Path(tempfile.mkdtemp(prefix="hf_gradacc_vae_nocpu_"))
-    text = accelerate_launch(
+    text = run_accelerate(
         CONFIGS / "ddp_cpu.yaml",
-        [str(VAE_EXAMPLE), "--output_dir", str(out / "run"), *VAE_ARGS],
-        _env(out),
+        VAE_EXAMPLE,
+        ["--output_dir", str(out / "run"), *VAE_ARGS],
+        timeout=LAUNCH_TIMEOUT_S,
+        out_dir=out,
         check=False,
-    )
+    ).output
     assert "UnsupportedBackendError" in text and "`use_cpu=True`" in text and "--use_cpu true" in text, text[-4000:]
     assert "vae summary" not in text
