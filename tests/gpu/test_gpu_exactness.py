@@ -27,7 +27,9 @@ def _args(**overrides):
     )
 
 
-@pytest.mark.parametrize("task", ["causal_lm", "seq2seq", "masked_lm", "token_classification", "sequence_classification"])
+@pytest.mark.parametrize(
+    "task", ["causal_lm", "seq2seq", "masked_lm", "token_classification", "sequence_classification"]
+)
 def test_gpu_fp32_exact(task):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

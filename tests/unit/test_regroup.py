@@ -130,7 +130,10 @@ def test_budget_below_the_longest_sample_names_it():
     lengths = [5, 30, 12]
     with pytest.raises(GradAccConfigError, match=r"`max_tokens_per_micro_batch` \(20\).*sample 1.*30 tokens"):
         WindowRegroupBatchSampler(
-            SequentialSampler(range(3)), lengths, batch_size=1, gradient_accumulation_steps=1,
+            SequentialSampler(range(3)),
+            lengths,
+            batch_size=1,
+            gradient_accumulation_steps=1,
             max_tokens_per_micro_batch=20,
         )
 
@@ -139,11 +142,16 @@ def test_trainer_rejects_a_budget_below_the_longest_sample(helpers):
     samples = make_samples("causal_lm", 8, seed=0, max_length=40)
     longest = max(len(s["input_ids"]) for s in samples)
     args = helpers.make_args(
-        args_class=GradAccConfig, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+        args_class=GradAccConfig,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=1,
         max_tokens_per_micro_batch=longest - 1,
     )
     trainer = GradAccTrainer(
-        model=build_tiny_model("causal_lm"), args=args, train_dataset=ListDataset(samples),
+        model=build_tiny_model("causal_lm"),
+        args=args,
+        train_dataset=ListDataset(samples),
         data_collator=PaddingCollator(),
     )
     with pytest.raises(GradAccConfigError, match=rf"\({longest - 1}\).*{longest} tokens"):
@@ -182,8 +190,14 @@ def test_iterable_dataset_warns_once_and_trains_exactly(helpers, caplog):
     samples = make_samples("causal_lm", 8, seed=2)
     model = build_tiny_model("causal_lm")
     args = helpers.make_args(
-        args_class=GradAccConfig, per_device_train_batch_size=2, gradient_accumulation_steps=4, max_steps=1,
-        learning_rate=1.0, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+        args_class=GradAccConfig,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        max_steps=1,
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
         regroup_micro_batches=True,
     )
     with caplog.at_level(logging.WARNING, logger="hf_gradacc.regroup"):
@@ -270,8 +284,16 @@ def train_adamw(model, samples, collator, trainer_class=WindowSizes, **overrides
     model = copy.deepcopy(model)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     kwargs = dict(
-        output_dir="unused", report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=True,
-        per_device_train_batch_size=2, gradient_accumulation_steps=4, learning_rate=1e-3, optim="adamw_torch",
+        output_dir="unused",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        learning_rate=1e-3,
+        optim="adamw_torch",
     )
     args = GradAccConfig(**{**kwargs, **overrides})
     trainer = trainer_class(model=model, args=args, train_dataset=ListDataset(samples), data_collator=collator)
@@ -330,8 +352,16 @@ def test_bench_runs_interleaved_and_reports_exact_updates():
     from hf_gradacc.bench import BenchSettings, format_table, run_benchmark
 
     settings = BenchSettings(
-        hidden_size=32, num_layers=1, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_steps=2,
-        num_warmup_steps=1, median_length=16, equal_length=16, max_length=64, max_tokens_per_micro_batch=64,
+        hidden_size=32,
+        num_layers=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_steps=2,
+        num_warmup_steps=1,
+        median_length=16,
+        equal_length=16,
+        max_length=64,
+        max_tokens_per_micro_batch=64,
         datasets=("long_tailed",),
     )
     rows = {r.trainer: r for r in run_benchmark(settings)}
