@@ -40,6 +40,9 @@ from .window import (
 
 logger = logging.getLogger(__name__)
 
+# Denominator kinds of deferred normalisation, in the column order of its gathered count vector.
+_DEFERRED_KINDS: tuple[str, ...] = ("tokens", "samples", "custom")
+
 
 def is_out_of_memory(error: BaseException) -> bool:
     """True for a device (or host) out-of-memory error."""
@@ -119,7 +122,6 @@ class GradAccTrainer(Trainer):
         self._custom_training_step = type(self).training_step is not GradAccTrainer.training_step
         self._auto_micro_batch: bool = bool(getattr(self.args, "auto_micro_batch", False))
         self._defer_normalization: bool = bool(getattr(self.args, "defer_normalization", False))
-        self._custom_count = 0
         self._auto_rows: int | None = None
         self.backend.multi_backward = (
             self._backward_per_term or self._custom_training_step or self._auto_micro_batch or self._defer_normalization
@@ -761,10 +763,9 @@ class GradAccTrainer(Trainer):
         when the data ran out on every rank.
         """
         world = self.backend.dp_world_size
-        local = {"tokens": 0, "samples": 0, "custom": 0}
-        custom_seen = False
+        local_tokens = local_samples = local_custom = num_micro_batches = 0
+        kind: str | None = None  # the one denominator this rank's micro-batches used
         total = torch.zeros((), device=self.args.device)
-        num_micro_batches = 0
         self._final_backward_done = False
         self._window = WindowCounts(micro_batches=(), global_tokens=1, global_samples=1, num_micro_batches_per_rank=())
         for _ in range(num_batches):
@@ -773,8 +774,8 @@ class GradAccTrainer(Trainer):
             except StopIteration:
                 break
             counts = self._count(inputs)
-            local["tokens"] += counts.num_tokens
-            local["samples"] += counts.num_samples
+            local_tokens += counts.num_tokens
+            local_samples += counts.num_samples
             self._window = self._window.with_micro_batches([counts])
             self._micro_batch_index = 0
             self.accelerator.gradient_state._set_sync_gradients(False)
@@ -782,18 +783,19 @@ class GradAccTrainer(Trainer):
             prepared = self._prepare_inputs(inputs)
             try:
                 with self.backend.sync_context(model, is_last=False):
+                    num_items = None
                     if self._custom_compute_loss:
                         num_items = torch.tensor(counts.get(self.primary_denominator), device=self.args.device)
-                    else:
-                        num_items = None
                     with self.compute_loss_context_manager():
                         raw = self.compute_loss(model, prepared, num_items_in_batch=num_items)
-                    denominator, summed = self._summed_terms(raw, counts)
-                    if denominator == "custom":
-                        custom_seen = True
-                    else:
-                        local.setdefault("denominator", denominator)
-                    local["custom"] += int(self._custom_count)
+                    micro_kind, summed, custom_count = self._summed_terms(raw, counts)
+                    if kind not in (None, micro_kind):
+                        raise GradAccLossError(
+                            f"With `defer_normalization=True` every micro-batch of a step must use one denominator "
+                            f"(got {kind!r} and {micro_kind!r})."
+                        )
+                    kind = micro_kind
+                    local_custom += custom_count
                     loss = summed * world
                     self.backend.backward(loss, model=self.model_wrapped, is_final=False)
             finally:
@@ -802,22 +804,25 @@ class GradAccTrainer(Trainer):
             self.current_flos += float(self.floating_point_ops(inputs))
             self._track_num_input_tokens(inputs)
             num_micro_batches += 1
+        kind_code = -1 if kind is None else _DEFERRED_KINDS.index(kind)
         vector = torch.tensor(
-            [local["tokens"], local["samples"], local["custom"], num_micro_batches], device=self.args.device
+            [local_tokens, local_samples, local_custom, num_micro_batches, kind_code], device=self.args.device
         )
-        rows = self.backend.all_gather(vector).reshape(-1, 4).cpu()
+        rows = self.backend.all_gather(vector).reshape(-1, 5).cpu()
         self._window = None
         # accelerate's optimizer wrapper only steps when it believes the gradients are synced.
         self.accelerator.gradient_state._set_sync_gradients(True)
         if int(rows[:, 3].max()) == 0:
             return None
+        # The denominator is agreed from every rank's row (a rank without micro-batches has none of its own).
+        codes = sorted({int(c) for c in rows[:, 4] if int(c) >= 0})
+        if len(codes) != 1:
+            raise GradAccLossError(
+                "With `defer_normalization=True` every rank must use one denominator in a step (got "
+                f"{[_DEFERRED_KINDS[c] for c in codes]})."
+            )
         self.backend.sync_window(model)
-        if custom_seen:
-            global_count = int(rows[:, 2].sum())
-        else:
-            global_count = int(rows[:, 0 if self.primary_denominator == "tokens" else 1].sum())
-            if local.get("denominator") not in (None, self.primary_denominator):
-                global_count = int(rows[:, 0 if local["denominator"] == "tokens" else 1].sum())
+        global_count = int(rows[:, codes[0]].sum())  # columns 0, 1, 2 hold tokens, samples, custom counts
         if global_count == 0:
             self.backend.zero_grad(model)
             self.num_skipped_windows += 1
@@ -829,9 +834,8 @@ class GradAccTrainer(Trainer):
         self.backend.scale_grads(model, 1.0 / global_count)
         return total / global_count, num_micro_batches
 
-    def _summed_terms(self, raw: Any, counts) -> tuple[str, torch.Tensor]:
-        """For deferred normalisation: the micro-batch's summed loss and the ONE denominator all its terms share."""
-        self._custom_count = 0
+    def _summed_terms(self, raw: Any, counts) -> tuple[str, torch.Tensor, int]:
+        """For deferred normalisation: the ONE denominator all terms share, the summed loss, and its custom count."""
         if isinstance(raw, tuple):
             raw = raw[0]
         if isinstance(raw, LossTerm):
@@ -845,21 +849,22 @@ class GradAccTrainer(Trainer):
                 )
             kind = kinds.pop()
             terms = list(raw.values())
+            custom_count = 0
             if kind == "custom":
                 counts_given = {int(t.normalize_by) for t in terms}
                 if len(counts_given) != 1:
                     raise GradAccLossError(
                         f"With `defer_normalization=True` every LossTerm must share one count (got {sorted(counts_given)})"
                     )
-                self._custom_count = counts_given.pop()
+                custom_count = counts_given.pop()
             summed = terms[0].total
             for term in terms[1:]:
                 summed = summed + term.total
-            return kind, summed
+            return kind, summed, custom_count
         if not torch.is_tensor(raw) or raw.dim() != 0:
             raise GradAccLossError("compute_loss must return a scalar tensor or LossTerm(s)")
         local = counts.get(self.primary_denominator)
-        return self.primary_denominator, raw * local if local else raw * 0.0
+        return self.primary_denominator, raw * local if local else raw * 0.0, 0
 
     def _count(self, batch: Mapping[str, Any]):
         head: HeadType = self.head_type or "masked_lm"
