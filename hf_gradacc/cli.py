@@ -276,7 +276,7 @@ def run_check(opts: argparse.Namespace) -> int:
 
     try:
         results: dict[str, Any] = {}
-        trainer = None
+        trainer = backend = None
         # GradAccTrainer first: its set-up checks (e.g. a model FSDP2 cannot wrap) give a clear error where the
         # stock Trainer would fail deep inside torch.
         for name, trainer_class in (("GradAccTrainer", GradAccTrainer), ("Trainer", Trainer)):
@@ -285,12 +285,13 @@ def run_check(opts: argparse.Namespace) -> int:
                     trainer_class, model, samples, one_step_args(**step_kwargs), data_collator=collator
                 )
             results[name] = compare_with_reference(update, model, samples, task, data_collator=collator)
+            backend = getattr(trainer, "backend", backend)
         results = {name: results[name] for name in ("Trainer", "GradAccTrainer")}  # the report's order
     except GradAccError as exc:
         if is_main:
             print(f"hf-gradacc check: error: {exc}", file=sys.stderr)
         return EXIT_NOT_EXACT
-    assert trainer is not None
+    assert trainer is not None and backend is not None
 
     setup = _Setup(
         task=task,
@@ -301,7 +302,7 @@ def run_check(opts: argparse.Namespace) -> int:
         gradient_accumulation_steps=gas,
         world_size=world_size,
         num_samples=len(samples),
-        backend=_backend_description(trainer),
+        backend=backend.describe(),
         device=str(trainer.args.device),
         seed=opts.seed,
         versions=_versions(),
@@ -571,21 +572,6 @@ def _warn_if_launch_fell_back_to_one_process() -> None:
             "`torchrun --nproc_per_node N -m hf_gradacc check`.",
             file=sys.stderr,
         )
-
-
-def _backend_description(trainer: Any) -> str:
-    import torch.distributed as dist
-
-    state = trainer.accelerator.state
-    distributed_type = str(state.distributed_type).split(".")[-1]
-    if distributed_type == "DEEPSPEED" and getattr(state, "deepspeed_plugin", None) is not None:
-        distributed_type = f"DeepSpeed ZeRO-{state.deepspeed_plugin.zero_stage}"
-    elif distributed_type == "FSDP" and getattr(state, "fsdp_plugin", None) is not None:
-        distributed_type = f"FSDP{getattr(state.fsdp_plugin, 'fsdp_version', '')}"
-    if state.num_processes <= 1:
-        return f"single process ({distributed_type})"
-    pg_backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "?"
-    return f"{distributed_type}, {state.num_processes} processes, {pg_backend}"
 
 
 def _finish_distributed() -> None:

@@ -36,6 +36,19 @@ class Backend:
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise a clear error, when the trainer is created, for a model this backend cannot prepare."""
 
+    def kind(self) -> str:
+        """Short name of the distributed setup, e.g. ``MULTI_CPU``, ``DeepSpeed ZeRO-2``, ``FSDP2``."""
+        return str(self.accelerator.state.distributed_type).split(".")[-1]
+
+    def describe(self) -> str:
+        """One line for logs and reports: the setup, the number of ranks and the process-group backend."""
+        import torch.distributed as dist
+
+        if self.dp_world_size <= 1:
+            return f"single process ({self.kind()})"
+        group = dist.get_backend() if dist.is_available() and dist.is_initialized() else "?"
+        return f"{self.kind()}, {self.dp_world_size} processes, {group}"
+
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Called once the model and optimizer are prepared (wrapped), before the first window."""
 

@@ -183,6 +183,9 @@ class DeepSpeedBackend(Backend):
         self._window_reduction: contextlib.ExitStack | None = None
         self._warned: set[str] = set()
 
+    def kind(self) -> str:
+        return f"DeepSpeed ZeRO-{self.zero_stage}"
+
     def _check_process_count(self) -> None:
         import torch.distributed as dist
 

@@ -255,6 +255,9 @@ class FSDP2Backend(Backend):
             raise GradAccConfigError(f"`fsdp_sync` ({self.fsdp_sync!r}) must be one of {FSDP_SYNCS}")
         self._hsdp: bool | None = None
 
+    def kind(self) -> str:
+        return "FSDP2"
+
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise a clear error for a model accelerate's FSDP2 wrapping would reject (see `fsdp2_wrap_problems`)."""
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
