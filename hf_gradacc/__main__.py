@@ -1,6 +1,6 @@
 """`python -m hf_gradacc ...` runs the `hf-gradacc` command (see :mod:`hf_gradacc.cli`)."""
 
-from .cli import main
+from .cli import console_main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(console_main())

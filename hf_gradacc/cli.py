@@ -229,7 +229,7 @@ def run_check(opts: argparse.Namespace) -> int:
 
     from . import GradAccTrainer, patches
     from .check import compare_with_reference, one_step_args, one_step_update
-    from .errors import GradAccError
+    from .errors import GradAccConfigError, GradAccError, UnsupportedBackendError
     from .tiny import PaddingCollator
 
     if opts.plot:
@@ -287,7 +287,11 @@ def run_check(opts: argparse.Namespace) -> int:
             results[name] = compare_with_reference(update, model, samples, task, data_collator=collator)
             backend = getattr(trainer, "backend", backend)
         results = {name: results[name] for name in ("Trainer", "GradAccTrainer")}  # the report's order
-    except GradAccError as exc:
+    except (GradAccConfigError, UnsupportedBackendError) as exc:  # a setting to change: a usage error
+        if is_main:
+            print(f"hf-gradacc check: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except GradAccError as exc:  # the step itself failed (data, loss): GradAccTrainer did not give the update
         if is_main:
             print(f"hf-gradacc check: error: {exc}", file=sys.stderr)
         return EXIT_NOT_EXACT
@@ -574,10 +578,35 @@ def _warn_if_launch_fell_back_to_one_process() -> None:
         )
 
 
+_GLOO_GROUP_FINISHED = False  # set once a gloo process group was torn down in this process
+
+
 def _finish_distributed() -> None:
+    global _GLOO_GROUP_FINISHED
+    import torch.distributed as dist
+
     from .backends import finish_distributed
 
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        _GLOO_GROUP_FINISHED = True
     finish_distributed()
+
+
+def console_main() -> int:
+    """The `hf-gradacc` executable: :func:`main`, then an exit that is safe on CPU ranks.
+
+    After a gloo process group, a gloo worker thread may still free the last collective's tensors while the
+    interpreter finalises, which aborts the rank (SIGABRT) now and then although every result was printed. Once the
+    command is done, this flushes the output and logs and leaves without finalisation in that case. Use
+    :func:`main` to call the command from Python.
+    """
+    status = main()
+    if _GLOO_GROUP_FINISHED:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 def _package_version() -> str:

@@ -13,6 +13,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from .errors import GradAccLossError
+
 IGNORE_INDEX = -100
 
 HeadType = Literal[
@@ -71,17 +73,17 @@ class LossTerm:
         if not torch.is_tensor(self.total):
             raise TypeError(f"`LossTerm.total` must be a tensor, got {type(self.total).__name__}")
         if self.total.dim() != 0:
-            raise ValueError(
+            raise GradAccLossError(
                 f"`LossTerm.total` must be a scalar (a sum over the micro-batch), got shape {tuple(self.total.shape)}"
             )
         nb = self.normalize_by
         if isinstance(nb, str):
             if nb not in DENOMINATORS:
-                raise ValueError(f"`LossTerm.normalize_by` ({nb!r}) must be one of {DENOMINATORS}, an int or a tensor")
+                raise GradAccLossError(f"`LossTerm.normalize_by` ({nb!r}) must be one of {DENOMINATORS}, an int or a tensor")
         elif isinstance(nb, bool) or not isinstance(nb, (int, torch.Tensor)):
             raise TypeError(f"`LossTerm.normalize_by` must be 'tokens', 'samples', an int or a tensor, got {nb!r}")
         elif torch.is_tensor(nb) and nb.numel() != 1:
-            raise ValueError(f"`LossTerm.normalize_by` as a tensor must hold one count, got shape {tuple(nb.shape)}")
+            raise GradAccLossError(f"`LossTerm.normalize_by` as a tensor must hold one count, got shape {tuple(nb.shape)}")
 
 
 def causal_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

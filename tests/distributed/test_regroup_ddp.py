@@ -81,7 +81,7 @@ def _worker() -> None:
     from hf_gradacc import GradAccConfig, GradAccTrainer
     from hf_gradacc.check import compare_with_reference, one_step_args
     from hf_gradacc.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
-    from tests.distributed.workers._common import rank, world_size, write_result
+    from tests.distributed.workers._common import finish_worker, rank, world_size, write_result
 
     torch.set_num_threads(1)
     world = world_size()
@@ -194,9 +194,7 @@ def _worker() -> None:
         os._exit(1)  # the other rank fails in its next collective instead of waiting forever
     write_result("regroup", payload)
     print(f"[rank {rank()}] regroup done", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":

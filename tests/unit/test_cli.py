@@ -271,3 +271,39 @@ def test_bench_subcommand_is_wired(capsys):
     assert "--max-tokens" in capsys.readouterr().out
     assert main(["--help"]) == 0
     assert "bench" in capsys.readouterr().out
+
+
+def test_console_main_returns_the_status_without_a_process_group(monkeypatch, capsys):
+    # Only after a gloo group does the executable leave through os._exit; a single process returns normally.
+    monkeypatch.setattr(sys, "argv", ["hf-gradacc"])
+    monkeypatch.setattr(os, "_exit", lambda status: pytest.fail(f"os._exit({status}) without a process group"))
+    assert cli.console_main() == cli.EXIT_USAGE
+    assert "check" in capsys.readouterr().err
+
+
+def test_console_main_exits_hard_after_a_gloo_group(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["hf-gradacc"])
+    monkeypatch.setattr(cli, "_GLOO_GROUP_FINISHED", True)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    cli.console_main()
+    assert exits == [cli.EXIT_USAGE]
+
+
+@pytest.mark.parametrize(
+    "error, status",
+    [
+        ("GradAccConfigError", cli.EXIT_USAGE),  # a setting to change
+        ("UnsupportedBackendError", cli.EXIT_USAGE),
+        ("GradAccDataError", cli.EXIT_NOT_EXACT),  # the step itself failed
+    ],
+)
+def test_check_exit_status_of_trainer_errors(monkeypatch, capsys, error, status):
+    from hf_gradacc import check, errors
+
+    def fail(*args, **kwargs):
+        raise getattr(errors, error)("`gradient_accumulation_steps` (3) disagrees with the DeepSpeed config (4)")
+
+    monkeypatch.setattr(check, "one_step_update", fail)
+    assert main(["check"]) == status
+    assert "hf-gradacc check: error: `gradient_accumulation_steps` (3)" in capsys.readouterr().err

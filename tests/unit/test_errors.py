@@ -158,11 +158,11 @@ def test_unusable_compute_loss_result_is_a_loss_error(value_fn, match: str) -> N
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(total=torch.tensor(1.0), normalize_by="rows"), ValueError, r"`LossTerm.normalize_by` \('rows'\)"),
-        (dict(total=torch.ones(3)), ValueError, r"`LossTerm.total` must be a scalar.*shape \(3,\)"),
+        (dict(total=torch.tensor(1.0), normalize_by="rows"), GradAccLossError, r"`LossTerm.normalize_by` \('rows'\)"),
+        (dict(total=torch.ones(3)), GradAccLossError, r"`LossTerm.total` must be a scalar.*shape \(3,\)"),
         (dict(total=1.0), TypeError, "`LossTerm.total` must be a tensor, got float"),
         (dict(total=torch.tensor(1.0), normalize_by=True), TypeError, "`LossTerm.normalize_by`"),
-        (dict(total=torch.tensor(1.0), normalize_by=torch.ones(2)), ValueError, r"one count, got shape \(2,\)"),
+        (dict(total=torch.tensor(1.0), normalize_by=torch.ones(2)), GradAccLossError, r"one count, got shape \(2,\)"),
     ],
     ids=["unknown_denominator", "non_scalar_total", "total_not_tensor", "bool_count", "count_of_two_values"],
 )

@@ -35,14 +35,13 @@ from typing import Any
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
 from hf_gradacc.check import full_parameters, one_step_args
 from hf_gradacc.reference import compare, reference_gradients
 from hf_gradacc.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
-from tests.distributed.workers._common import write_result
+from tests.distributed.workers._common import finish_worker, write_result
 
 PER_DEVICE_BATCH = 2
 GRAD_ACC = 4
@@ -175,9 +174,7 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     for case in json.loads(opts.cases):
         write_result(case["name"], run_case(opts.backend, case, rank, world))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":

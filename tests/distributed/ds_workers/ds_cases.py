@@ -42,7 +42,7 @@ from hf_gradacc import GradAccConfig, GradAccTrainer, LossTerm
 from hf_gradacc.check import one_step_args
 from hf_gradacc.reference import compare, reference_gradients
 from hf_gradacc.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
-from tests.distributed.workers._common import rank, world_size, write_result
+from tests.distributed.workers._common import finish_worker, rank, world_size, write_result
 
 PER_DEVICE_BATCH = 2
 GRAD_ACC = 4
@@ -374,6 +374,7 @@ def main() -> None:
         write_result(case["name"], payload)
         if rank() == 0:
             print(f"[ds_cases] {case['name']}: {json.dumps(payload, default=str)[:600]}", flush=True)
+    finish_worker()
 
 
 if __name__ == "__main__":

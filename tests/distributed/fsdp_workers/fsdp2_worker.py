@@ -43,7 +43,7 @@ from hf_gradacc.check import one_step_args
 from hf_gradacc.patches.fsdp_cpu import enable_fsdp_on_cpu
 from hf_gradacc.reference import compare, reference_gradients
 from hf_gradacc.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
-from tests.distributed.workers._common import write_result
+from tests.distributed.workers._common import finish_worker, write_result
 
 PER_DEVICE_BATCH = 2
 GRAD_ACC = 4
@@ -312,9 +312,7 @@ def main() -> None:
         else:
             result = run_trainer_case(case, rank, world, ns.launcher)
         write_result(case["name"], result)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":

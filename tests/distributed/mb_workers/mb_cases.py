@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import tempfile
-import time
 import traceback
 from typing import Any
 
@@ -48,7 +47,12 @@ from hf_gradacc.callbacks import GradAccCallback
 from hf_gradacc.check import full_parameters, one_step_args
 from hf_gradacc.reference import compare
 from hf_gradacc.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
-from tests.distributed.workers._common import rank, world_size, write_result  # the repository root is on PYTHONPATH
+from tests.distributed.workers._common import (  # the repository root is on PYTHONPATH
+    finish_worker,
+    rank,
+    world_size,
+    write_result,
+)
 
 BS, GA, NUM_WINDOWS = 2, 4, 2
 SAMPLES_PER_WINDOW = BS * GA * world_size()
@@ -351,14 +355,7 @@ def main() -> None:
         write_result(case["name"], payload)
         if rank() == 0:
             print(f"[mb_cases] {opts.backend} {case['name']}: {json.dumps(payload['steps'])[:800]}", flush=True)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()  # no rank leaves while the other may still be in a collective
-        dist.destroy_process_group()
-        # A gloo thread frees the last collectives' tensors once it gets the GIL; during interpreter shutdown that
-        # aborts the rank ("terminate called without an active exception"). Give it the GIL before exiting.
-        time.sleep(0.1)
+    finish_worker()
 
 
 if __name__ == "__main__":

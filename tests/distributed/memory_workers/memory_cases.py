@@ -44,7 +44,7 @@ from hf_gradacc.check import compare_with_reference, one_step_args, one_step_upd
 from hf_gradacc.errors import GradAccDataError
 from hf_gradacc.reference import compare, reference_gradients
 from hf_gradacc.tiny import ListDataset, ListIterableDataset, PaddingCollator, build_tiny_model, make_samples
-from tests.distributed.workers._common import rank, world_size, write_result
+from tests.distributed.workers._common import finish_worker, rank, world_size, write_result
 
 TASK = "causal_lm"
 W = world_size()
@@ -502,9 +502,7 @@ def main() -> None:
         payload["case_seconds"] = time.monotonic() - start
         write_result(name, payload)
         print(f"[rank {rank()}] case {name} done in {payload['case_seconds']:.1f}s", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 OUT_DIR_ENV = "HF_GRADACC_TEST_OUT"  # the launcher (tests/distributed/launcher.py) sets it
 
@@ -45,3 +46,19 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(_jsonable(payload), indent=1, sort_keys=True))
     tmp.replace(path)
     return path
+
+
+def finish_worker(status: int = 0) -> NoReturn:
+    """End a worker: wait for every rank, destroy the process group, flush, and exit with ``status`` at once.
+
+    Leaving through ``os._exit`` skips interpreter finalisation: on gloo ranks a worker thread may still hold the
+    last collective's tensors, and freeing them while the interpreter shuts down aborts the rank (SIGABRT) now
+    and then on a loaded machine, after every result was written. ``finish_distributed``'s short sleep makes that
+    rare; skipping finalisation makes it impossible. Every result file is written before this is called.
+    """
+    from hf_gradacc.backends import finish_distributed
+
+    finish_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import rank, world_size, write_result
+from _common import finish_worker, rank, world_size, write_result
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainerCallback
@@ -406,9 +406,7 @@ def main() -> None:
             os._exit(1)  # do not wait in the next collective for a rank that will never join it
         write_result(name, payload)
         print(f"[rank {rank()}] case {name} done", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":
