@@ -61,8 +61,10 @@ def finish_distributed() -> None:
 
     On CPU ranks (gloo) a worker thread frees the last collective's tensors only once it holds the GIL; if the
     interpreter is already shutting down then, the rank aborts ("terminate called without an active exception",
-    pytorch issue 190489). A short sleep after destroying the group hands it the GIL. Delete once torch fixes it.
+    pytorch issue 190489). A short sleep after destroying the group hands it the GIL; that makes the abort rare, not
+    impossible (the `hf-gradacc` executable therefore leaves through ``os._exit``). Delete once torch fixes it.
     """
+    import gc
     import time
 
     import torch.distributed as dist
@@ -73,4 +75,5 @@ def finish_distributed() -> None:
     dist.barrier()
     dist.destroy_process_group()
     if uses_gloo:
-        time.sleep(0.1)
+        gc.collect()  # a group held only by reference cycles is destroyed now, while the interpreter is alive
+        time.sleep(0.25)
