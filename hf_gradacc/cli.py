@@ -287,14 +287,11 @@ def run_check(opts: argparse.Namespace) -> int:
             results[name] = compare_with_reference(update, model, samples, task, data_collator=collator)
             backend = getattr(trainer, "backend", backend)
         results = {name: results[name] for name in ("Trainer", "GradAccTrainer")}  # the report's order
-    except (GradAccConfigError, UnsupportedBackendError) as exc:  # a setting to change: a usage error
+    except GradAccError as exc:
         if is_main:
             print(f"hf-gradacc check: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except GradAccError as exc:  # the step itself failed (data, loss): GradAccTrainer did not give the update
-        if is_main:
-            print(f"hf-gradacc check: error: {exc}", file=sys.stderr)
-        return EXIT_NOT_EXACT
+        # A setting to change is a usage error; a failed step (data, loss) means GradAccTrainer gave no update.
+        return EXIT_USAGE if isinstance(exc, (GradAccConfigError, UnsupportedBackendError)) else EXIT_NOT_EXACT
     assert trainer is not None and backend is not None
 
     setup = _Setup(
@@ -583,13 +580,9 @@ _GLOO_GROUP_FINISHED = False  # set once a gloo process group was torn down in t
 
 def _finish_distributed() -> None:
     global _GLOO_GROUP_FINISHED
-    import torch.distributed as dist
-
     from .backends import finish_distributed
 
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-        _GLOO_GROUP_FINISHED = True
-    finish_distributed()
+    _GLOO_GROUP_FINISHED = finish_distributed() or _GLOO_GROUP_FINISHED
 
 
 def console_main() -> int:

@@ -56,8 +56,10 @@ def resolve_backend(accelerator: Accelerator, args: TrainingArguments) -> Backen
     )
 
 
-def finish_distributed() -> None:
+def finish_distributed() -> bool:
     """Wait for every rank, destroy the process group, and let gloo's worker threads finish before exit.
+
+    Returns True when it tore down a gloo group (the caller may then leave through ``os._exit``), else False.
 
     On CPU ranks (gloo) a worker thread frees the last collective's tensors only once it holds the GIL; if the
     interpreter is already shutting down then, the rank aborts ("terminate called without an active exception",
@@ -70,10 +72,11 @@ def finish_distributed() -> None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return
+        return False
     uses_gloo = dist.get_backend() == "gloo"
     dist.barrier()
     dist.destroy_process_group()
     if uses_gloo:
         gc.collect()  # a group held only by reference cycles is destroyed now, while the interpreter is alive
         time.sleep(0.25)
+    return uses_gloo
