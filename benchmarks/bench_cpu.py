@@ -16,7 +16,7 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-from hf_gradacc.bench import main  # noqa: E402
+from hf_gradacc.commands.bench import main  # noqa: E402
 
 CPU_DEFAULTS = ["--device", "cpu", "--threads", "1", "--steps", "8", "--warmup-steps", "1"]
 

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--cpu-fallback", action="store_true")
     known, rest = pre.parse_known_args(argv)
-    from hf_gradacc.bench import main as bench_main
+    from hf_gradacc.commands.bench import main as bench_main
 
     if known.cpu_fallback:
         return bench_main([*CPU_FALLBACK, *rest])

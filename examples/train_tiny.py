@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
-from hf_gradacc.tiny import TASKS, ListDataset, PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.tiny import TASKS, ListDataset, PaddingCollator, build_tiny_model, make_samples
 
 
 @dataclass

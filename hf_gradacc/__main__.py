@@ -1,6 +1,6 @@
-"""`python -m hf_gradacc ...` runs the `hf-gradacc` command (see :mod:`hf_gradacc.cli`)."""
+"""`python -m hf_gradacc ...` runs the `hf-gradacc` command (see :mod:`hf_gradacc.commands`)."""
 
-from .cli import console_main
+from .commands.hf_gradacc_cli import console_main
 
 if __name__ == "__main__":
     raise SystemExit(console_main())

@@ -1,42 +1,59 @@
-"""`GradAccConfig`: `TrainingArguments` plus the knobs of exact gradient accumulation."""
+"""The knobs of exact gradient accumulation: `GradAccArguments`, the configs that carry them, and the one
+typed, validated object the trainer reads them from (`GradAccSettings`).
+
+Three ways to set the knobs, all resolved by :func:`resolve_settings` exactly once per trainer:
+
+- ``GradAccConfig(...)`` (a `TrainingArguments` with the knobs), ``GradAccSeq2SeqConfig(...)``, or a config class
+  of your own made with :func:`gradacc_config_class`;
+- a plain `TrainingArguments` (or any subclass, e.g. TRL's ``SFTConfig``) plus ``gradacc_args=`` given to the
+  trainer: a :class:`GradAccArguments` or a ``dict`` of its fields;
+- nothing: every knob takes its default.
+"""
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
 
-from transformers import TrainingArguments
+from transformers import Seq2SeqTrainingArguments, TrainingArguments
+from transformers.utils import logging
 
 from .errors import GradAccConfigError
 from .loss import HEAD_TYPES, IGNORE_INDEX
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
-ZERO_REDUCTIONS: tuple[str, ...] = ("per_micro_batch", "per_window")
-FSDP_SYNCS: tuple[str, ...] = ("deferred", "every_micro_batch", "defer_all_reduce")
+ZeroReduction = Literal["per_micro_batch", "per_window"]
+FsdpSync = Literal["deferred", "every_micro_batch", "defer_all_reduce"]
+ZERO_REDUCTIONS: tuple[str, ...] = get_args(ZeroReduction)
+FSDP_SYNCS: tuple[str, ...] = get_args(FsdpSync)
 
 
 @dataclass
-class GradAccConfig(TrainingArguments):
-    """`TrainingArguments` for :class:`~hf_gradacc.GradAccTrainer`.
+class GradAccArguments:
+    """The fields hf_gradacc adds to `TrainingArguments`, on their own.
 
-    Every `TrainingArguments` field keeps its meaning. A plain `TrainingArguments` also works with
-    `GradAccTrainer`: the fields below then take their defaults.
+    Every config class of the project inherits them (``GradAccConfig``, ``GradAccSeq2SeqConfig``, the TRL configs);
+    a trainer whose arguments are another `TrainingArguments` class takes them as ``gradacc_args=``.
 
     Example:
         ```python
-        from hf_gradacc import GradAccConfig
+        from transformers import Seq2SeqTrainer, TrainingArguments
+        from hf_gradacc import GradAccArguments, GradAccMixin
 
-        args = GradAccConfig(
-            output_dir="out",
-            per_device_train_batch_size=4,
-            gradient_accumulation_steps=8,
-            head_type="auto",        # or "causal_lm", "seq2seq", "masked_lm", ...
-            ignore_index=-100,
+        class MyTrainer(GradAccMixin, Seq2SeqTrainer):
+            pass
+
+        trainer = MyTrainer(
+            model=model,
+            args=TrainingArguments(output_dir="out", gradient_accumulation_steps=8),
+            gradacc_args=GradAccArguments(head_type="seq2seq", regroup_micro_batches=True),  # or a dict
+            train_dataset=train_ds,
+            data_collator=collator,
         )
         ```
-
-    On the command line (`HfArgumentParser`), the same fields are flags: `--head_type causal_lm`.
     """
 
     head_type: str = field(
@@ -58,7 +75,6 @@ class GradAccConfig(TrainingArguments):
             "only treat as a mean over the micro-batch's counted items. Return an `hf_gradacc.LossTerm` instead."
         },
     )
-
     backward_per_term: bool = field(
         default=False,
         metadata={
@@ -99,8 +115,6 @@ class GradAccConfig(TrainingArguments):
             "only), 'defer_all_reduce' (HSDP: defer only the cross-replica all-reduce)."
         },
     )
-
-    # ---- throughput: regrouped micro-batches (hf_gradacc/regroup.py) ----
     regroup_micro_batches: bool = field(
         default=False,
         metadata={
@@ -117,47 +131,180 @@ class GradAccConfig(TrainingArguments):
             "`gradient_accumulation_steps` micro-batches per rank gets more of them, with the same update."
         },
     )
-    # ---- end throughput ----
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        validate_gradacc_args(self)
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:  # TrainingArguments.__post_init__ first, then the cross-field checks
+            parent()
+        resolve_settings(self)
 
 
-def validate_gradacc_args(args: TrainingArguments) -> None:
-    """Cross-field checks shared by `GradAccConfig.__post_init__` and `GradAccTrainer` (for plain args)."""
+GRADACC_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GradAccArguments))
+
+
+@dataclass
+class GradAccConfig(GradAccArguments, TrainingArguments):
+    """`TrainingArguments` for :class:`~hf_gradacc.GradAccTrainer`: every `TrainingArguments` field keeps its
+    meaning, and the :class:`GradAccArguments` fields are added. A plain `TrainingArguments` also works with
+    `GradAccTrainer`: the knobs then take their defaults (or come from ``gradacc_args=``).
+
+    Example:
+        ```python
+        from hf_gradacc import GradAccConfig
+
+        args = GradAccConfig(
+            output_dir="out",
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=8,
+            head_type="auto",        # or "causal_lm", "seq2seq", "masked_lm", ...
+            ignore_index=-100,
+        )
+        ```
+
+    On the command line (`HfArgumentParser`), the same fields are flags: `--head_type causal_lm`.
+    """
+
+
+@dataclass
+class GradAccSeq2SeqConfig(GradAccArguments, Seq2SeqTrainingArguments):
+    """`Seq2SeqTrainingArguments` (``predict_with_generate``, ``generation_max_length``, ...) plus the
+    :class:`GradAccArguments` fields, for :class:`~hf_gradacc.GradAccSeq2SeqTrainer`.
+
+    Example:
+        ```python
+        from hf_gradacc import GradAccSeq2SeqConfig
+
+        args = GradAccSeq2SeqConfig(
+            output_dir="out", gradient_accumulation_steps=8, predict_with_generate=True, regroup_micro_batches=True
+        )
+        ```
+    """
+
+
+def gradacc_config_class(base: type[TrainingArguments], name: str | None = None) -> type[TrainingArguments]:
+    """A dataclass that is ``base`` (any `TrainingArguments` subclass) plus the :class:`GradAccArguments` fields,
+    usable with `HfArgumentParser`.
+
+    Example:
+        ```python
+        from transformers import HfArgumentParser, Seq2SeqTrainingArguments
+        from hf_gradacc import gradacc_config_class
+
+        MyConfig = gradacc_config_class(Seq2SeqTrainingArguments)
+        (args,) = HfArgumentParser(MyConfig).parse_args_into_dataclasses()
+        ```
+    """
+    if not (isinstance(base, type) and issubclass(base, TrainingArguments)):
+        raise GradAccConfigError(f"`base` ({base!r}) must be a TrainingArguments subclass")
+    if issubclass(base, GradAccArguments):
+        return base
+    cls = type(name or f"GradAcc{base.__name__}", (GradAccArguments, base), {"__module__": base.__module__})
+    return dataclass(cls)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradAccSettings:
+    """The knobs, resolved and validated once (see :func:`resolve_settings`). The trainer and the backends read
+    this object, never the arguments themselves."""
+
+    head_type: str = "auto"
+    ignore_index: int = IGNORE_INDEX
+    warn_on_plain_loss: bool = True
+    backward_per_term: bool = False
+    auto_micro_batch: bool = False
+    defer_normalization: bool = False
+    zero_reduction: ZeroReduction = "per_micro_batch"
+    fsdp_sync: FsdpSync = "deferred"
+    regroup_micro_batches: bool = False
+    max_tokens_per_micro_batch: int | None = None
+
+    @property
+    def regroups(self) -> bool:
+        """Whether micro-batches are regrouped (``regroup_micro_batches`` or a token budget)."""
+        return self.regroup_micro_batches or self.max_tokens_per_micro_batch is not None
+
+
+def _knobs_of(source: Any, *, where: str) -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, GradAccArguments):
+        return {name: getattr(source, name) for name in GRADACC_FIELDS}
+    if isinstance(source, Mapping):
+        unknown = sorted(set(source) - set(GRADACC_FIELDS))
+        if unknown:
+            raise GradAccConfigError(f"`{where}` has unknown field(s) {unknown}; known: {list(GRADACC_FIELDS)}")
+        return dict(source)
+    raise GradAccConfigError(f"`{where}` must be a GradAccArguments or a dict, got {type(source).__name__}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise GradAccConfigError(f"`{name}` ({value!r}) must be a bool")
+
+
+def resolve_settings(args: TrainingArguments | GradAccArguments, overrides: Any = None) -> GradAccSettings:
+    """The knobs of ``args`` (its :class:`GradAccArguments` fields, if any) updated by ``overrides``, validated
+    against each other and against the `TrainingArguments` fields they interact with.
+
+    Raises :class:`~hf_gradacc.GradAccConfigError` naming the field and the value; warns about settings that
+    are ignored.
+
+    Example:
+        ```python
+        settings = resolve_settings(TrainingArguments("out"), {"head_type": "causal_lm"})
+        assert settings.head_type == "causal_lm"
+        ```
+    """
+    knobs = _knobs_of(args if isinstance(args, GradAccArguments) else None, where="args")
+    extra = _knobs_of(overrides, where="gradacc_args")
+    if extra and isinstance(args, GradAccArguments):
+        raise GradAccConfigError(
+            f"Knobs were given twice: `args` is a {type(args).__name__} (it carries them) and `gradacc_args` sets "
+            f"{sorted(extra)}. Set them in one place."
+        )
+    knobs.update(extra)
+    settings = GradAccSettings(**knobs)
+
+    if settings.head_type != "auto" and settings.head_type not in HEAD_TYPES:
+        raise GradAccConfigError(f"`head_type` ({settings.head_type!r}) must be 'auto' or one of {HEAD_TYPES}")
+    if not isinstance(settings.ignore_index, int) or isinstance(settings.ignore_index, bool):
+        raise GradAccConfigError(f"`ignore_index` ({settings.ignore_index!r}) must be an int")
+    for name in ("warn_on_plain_loss", "backward_per_term", "auto_micro_batch", "defer_normalization",
+                 "regroup_micro_batches"):
+        _check_bool(name, getattr(settings, name))
+    for name, choices in (("zero_reduction", ZERO_REDUCTIONS), ("fsdp_sync", FSDP_SYNCS)):
+        if getattr(settings, name) not in choices:
+            raise GradAccConfigError(f"`{name}` ({getattr(settings, name)!r}) must be one of {choices}")
+    budget = settings.max_tokens_per_micro_batch
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        raise GradAccConfigError(f"`max_tokens_per_micro_batch` ({budget!r}) must be None or an int >= 1")
+    if settings.defer_normalization and (settings.auto_micro_batch or settings.backward_per_term):
+        raise GradAccConfigError(
+            "`defer_normalization=True` cannot be combined with `auto_micro_batch` or `backward_per_term`; turn one "
+            "of them off."
+        )
+
+    if isinstance(args, TrainingArguments):
+        _check_training_arguments(args, settings)
+    return settings
+
+
+def _check_training_arguments(args: TrainingArguments, settings: GradAccSettings) -> None:
     gas = args.gradient_accumulation_steps
     if not isinstance(gas, int) or isinstance(gas, bool) or gas < 1:
         raise GradAccConfigError(f"`gradient_accumulation_steps` ({gas!r}) must be an int >= 1")
-    head_type = getattr(args, "head_type", "auto")
-    if head_type != "auto" and head_type not in HEAD_TYPES:
-        raise GradAccConfigError(f"`head_type` ({head_type!r}) must be 'auto' or one of {HEAD_TYPES}")
-    ignore_index = getattr(args, "ignore_index", IGNORE_INDEX)
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise GradAccConfigError(f"`ignore_index` ({ignore_index!r}) must be an int")
-    for name, choices in (("zero_reduction", ZERO_REDUCTIONS), ("fsdp_sync", FSDP_SYNCS)):
-        value = getattr(args, name, choices[0])
-        if value not in choices:
-            raise GradAccConfigError(f"`{name}` ({value!r}) must be one of {choices}")
-    if getattr(args, "auto_find_batch_size", False):
-        logger.warning(
+    if args.auto_find_batch_size:
+        logger.warning_once(
             "`auto_find_batch_size=True` shrinks the per-device batch without raising `gradient_accumulation_steps`, "
             "so the effective batch of each optimizer step changes when it triggers. GradAccTrainer keeps every "
             "step exact, but the step covers fewer samples after a shrink."
         )
-    if getattr(args, "average_tokens_across_devices", True) is False:
-        logger.warning(
+    if args.average_tokens_across_devices is False:
+        logger.warning_once(
             "`average_tokens_across_devices=False` is ignored by GradAccTrainer: the denominator is always counted "
             "over every micro-batch and every data-parallel rank, which is what makes the step exact."
         )
-    # ---- throughput: regrouped micro-batches ----
-    regroup = getattr(args, "regroup_micro_batches", False)
-    if not isinstance(regroup, bool):
-        raise GradAccConfigError(f"`regroup_micro_batches` ({regroup!r}) must be a bool")
-    budget = getattr(args, "max_tokens_per_micro_batch", None)
-    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
-        raise GradAccConfigError(f"`max_tokens_per_micro_batch` ({budget!r}) must be None or an int >= 1")
-    if (regroup or budget is not None) and getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+    if settings.regroups and getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
         raise GradAccConfigError(
             "`train_sampling_strategy='batch_rebalance'` regroups micro-batches itself (with its own sample order), "
             "so it cannot be combined with `regroup_micro_batches` / `max_tokens_per_micro_batch`: set "

@@ -21,3 +21,13 @@ class GradAccLossError(GradAccError, ValueError):
 
 class UnsupportedBackendError(GradAccError, NotImplementedError):
     """The accelerate distributed type is not one hf_gradacc can make exact."""
+
+
+class GradientsNotReadyError(GradAccError, RuntimeError):
+    """The accumulated gradient was read (``trainer.grads``) outside the window between the final backward pass of
+    an optimizer step and the step itself."""
+
+
+class GradAccUsageError(GradAccError, RuntimeError):
+    """A public method was called where it cannot work (e.g. ``trainer.backward`` outside a training step, a gradient
+    hook registered after training started)."""

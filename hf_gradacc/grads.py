@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .errors import GradientsNotReadyError
+
 if TYPE_CHECKING:
-    from .trainer import GradAccTrainer
+    from .mixin import GradAccMixin
 
 AccumulatedGradHook = Callable[[str, torch.Tensor], None]
 
-
-class GradientsNotReadyError(RuntimeError):
-    """Gradients were read outside the window between the final backward pass and the optimizer step."""
+__all__ = ["AccumulatedGradHook", "GradAccess", "GradientsNotReadyError"]
 
 
 class GradAccess:
-    """Gradient access for :class:`~hf_gradacc.GradAccTrainer` (``trainer.grads``).
+    """Gradient access for a :class:`~hf_gradacc.GradAccMixin` trainer (``trainer.grads``).
 
     Every method that may communicate (``full`` on sharded backends, ``norm``, ``named_norms``) is a collective:
     call it on every rank, with the same arguments, in the same order.
@@ -47,13 +47,14 @@ class GradAccess:
         ```
     """
 
-    def __init__(self, trainer: GradAccTrainer) -> None:
+    def __init__(self, trainer: GradAccMixin) -> None:
         self._trainer = trainer
 
-    # The trainer flips this around the window between the final backward and the optimizer step.
     @property
     def is_ready(self) -> bool:
-        return self._trainer._grads_ready
+        """True between the final backward pass of an optimizer step and the step."""
+        window = self._trainer.current_window
+        return window is not None and window.grads_ready
 
     def _check(self) -> None:
         if not self.is_ready:
@@ -64,7 +65,8 @@ class GradAccess:
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """Trainable parameters, by name, in the same order on every rank."""
-        return self._trainer._trainable_named_parameters()
+        module = self._trainer.accelerator.unwrap_model(self._trainer.model_wrapped)
+        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
     def _param(self, name: str) -> torch.nn.Parameter:
         for n, p in self.named_parameters():
@@ -75,22 +77,37 @@ class GradAccess:
     def full(self, name: str) -> torch.Tensor:
         """The full accumulated, reduced gradient of parameter ``name`` (a collective on sharded backends)."""
         self._check()
-        return self._trainer.backend.full_grad(name, self._param(name))
+        return self._trainer.backend.full_grad(self._param(name))
 
     def local(self, name: str) -> torch.Tensor:
         """This rank's part of the gradient: the whole gradient on DDP, the local shard under ZeRO-3 / FSDP2."""
         self._check()
-        return self._trainer.backend.local_grad(name, self._param(name))
+        return self._trainer.backend.local_grad(self._param(name))
 
     def named_norms(self) -> dict[str, float]:
         """L2 norm of every trainable parameter's full gradient (one collective)."""
         self._check()
         named = self.named_parameters()
-        squares = self._trainer.backend.grad_sq_norms(named)
+        squares = self._trainer.backend.grad_sq_norms([p for _, p in named])
         return {n: math.sqrt(max(float(s), 0.0)) for (n, _), s in zip(named, squares.tolist())}
 
     def norm(self) -> float:
         """Global L2 norm of the accumulated gradient, before clipping (one collective)."""
         self._check()
-        squares = self._trainer.backend.grad_sq_norms(self.named_parameters())
+        squares = self._trainer.backend.grad_sq_norms([p for _, p in self.named_parameters()])
         return math.sqrt(max(float(squares.sum()), 0.0))
+
+    def run_hooks(self, hooks: list[tuple[AccumulatedGradHook, bool]]) -> None:
+        """Call every registered accumulated-gradient hook on every trainable parameter, in one order on every rank;
+        a full gradient a hook changed is written back into the backend's storage."""
+        if not hooks:
+            return
+        backend = self._trainer.backend
+        for name, param in self.named_parameters():
+            for hook, local in hooks:
+                if local:
+                    hook(name, backend.local_grad(param))
+                else:
+                    grad = backend.full_grad(param)
+                    hook(name, grad)
+                    backend.write_full_grad(param, grad)

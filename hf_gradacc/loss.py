@@ -7,8 +7,9 @@ is known, and that is :func:`normalize`'s job.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -177,3 +178,66 @@ def normalize(total: torch.Tensor, global_count: torch.Tensor | int, dp_world_si
     if torch.is_tensor(global_count):
         global_count = global_count.to(device=total.device, dtype=total.dtype)
     return total * dp_world_size / global_count
+
+
+@dataclass(frozen=True, slots=True)
+class LossOutput:
+    """What ``compute_loss`` returned, parsed once: either named :class:`LossTerm` s, or one plain scalar.
+
+    A plain scalar is read as a MEAN over the micro-batch's counted items (what a model's ``outputs.loss`` is);
+    ``outputs`` holds the model outputs when ``compute_loss`` returned ``(loss, outputs)``.
+    """
+
+    terms: dict[str, LossTerm]
+    plain: torch.Tensor | None = None
+    outputs: Any = None
+
+    def batch_mean(self, counts: Any) -> torch.Tensor:
+        """The terms as ONE batch's mean loss (evaluation): each sum over its own count in this batch (``counts``
+        has ``get("tokens" | "samples")``), added up."""
+        parts = [
+            term.total / max(counts.get(term.normalize_by) if isinstance(term.normalize_by, str)
+                             else int(term.normalize_by), 1)
+            for term in self.terms.values()
+        ]
+        return sum(parts[1:], parts[0])
+
+
+def parse_loss_output(raw: Any) -> LossOutput:
+    """The one parser of what an (overridden) ``compute_loss`` returns, with a clear error for anything unusable.
+
+    Accepted: a scalar tensor, a :class:`LossTerm`, a non-empty ``dict[str, LossTerm]``, or a tuple whose first
+    element is one of those (``(loss, outputs)``).
+
+    Example:
+        ```python
+        parsed = parse_loss_output(LossTerm(total=torch.tensor(3.0), normalize_by="samples"))
+        assert list(parsed.terms) == ["loss"] and parsed.plain is None
+        ```
+    """
+    outputs = None
+    if isinstance(raw, tuple):
+        raw, outputs = raw[0], (raw[1] if len(raw) > 1 else None)
+    if isinstance(raw, LossTerm):
+        return LossOutput(terms={"loss": raw}, outputs=outputs)
+    if isinstance(raw, Mapping):
+        if not raw:
+            raise GradAccLossError("compute_loss returned an empty dict; return at least one LossTerm")
+        for name, term in raw.items():
+            if not isinstance(term, LossTerm):
+                raise GradAccLossError(
+                    f"compute_loss returned a dict whose value {name!r} is a {type(term).__name__}; "
+                    "every value must be an hf_gradacc.LossTerm"
+                )
+        return LossOutput(terms={str(name): term for name, term in raw.items()}, outputs=outputs)
+    if not torch.is_tensor(raw):
+        raise GradAccLossError(
+            f"compute_loss returned a {type(raw).__name__}; return a scalar tensor, an hf_gradacc.LossTerm or a "
+            "dict of LossTerms"
+        )
+    if raw.dim() != 0:
+        raise GradAccLossError(
+            f"compute_loss returned a loss of shape {tuple(raw.shape)}; it must be a scalar. Reduce it with "
+            ".sum() and return hf_gradacc.LossTerm(total=..., normalize_by=...)."
+        )
+    return LossOutput(terms={}, plain=raw, outputs=outputs)

@@ -1,25 +1,33 @@
-"""One optimizer step's micro-batches ("the window") and its denominators, local and global.
+"""One optimizer step ("the window"): its micro-batches, their denominators (local and global), and the state of
+the step in flight (:class:`Window`).
 
 The window knows nothing about backends: it is handed an ``all_gather`` callable that returns one row per
-data-parallel rank, and issues exactly one such collective per optimizer step.
+data-parallel rank, and issues exactly one such collective per optimizer step. It also holds the one
+normalisation of what ``compute_loss`` returned (:meth:`Window.normalized_terms`): each term divided by its
+denominator counted over the whole step, times the data-parallel world size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
-from .errors import GradAccDataError
-from .loss import IGNORE_INDEX, HeadType, token_count
+from .errors import GradAccDataError, GradAccLossError
+from .loss import IGNORE_INDEX, HeadType, LossOutput, normalize, token_count
+
+logger = logging.get_logger(__name__)
 
 LABEL_KEY = "labels"
 SHIFT_LABELS_KEY = "shift_labels"
 
 # Order of the values in the per-rank count vector that is gathered once per window.
 _TOKENS, _SAMPLES, _MICRO_BATCHES = 0, 1, 2
+# Denominator kinds of a streamed window, in the column order of its gathered count vector.
+STREAMED_KINDS: tuple[str, ...] = ("tokens", "samples", "custom")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,3 +181,261 @@ def split_micro_batches(micro_batches: Sequence[Mapping[str, Any]], max_rows: in
                 }
             )
     return pieces
+
+
+@dataclass(eq=False)
+class Window:
+    """One optimizer step in flight. The training loop builds one per step and passes it to every function that
+    needs the step's state; ``trainer.current_window`` shows it to overridden ``compute_loss`` / ``training_step``.
+
+    Two kinds, one micro-batch path:
+
+    - prefetched (default): every micro-batch is fetched and counted before the first forward pass, and the counts
+      are summed over ranks in one collective, so each loss term is normalised by its global count as it is
+      computed;
+    - streamed (``defer_normalization``): micro-batches are pulled one at a time and back-propagated as SUMS (times
+      the world size); their local counts are summed over ranks once after the last one, and the reduced gradient
+      is scaled by ``1 / global count`` then (:meth:`finish_streamed`).
+
+    Attributes:
+        micro_batches: this rank's inputs (prefetched; streamed: those pulled so far).
+        counts: per-micro-batch counts on this rank and the global sums (streamed: local only until finished).
+        index: the micro-batch running now, None between micro-batches.
+        defers_sync: no backward pass reduces gradients; the backend reduces once after the window
+            (streamed windows and ``auto_micro_batch``).
+        final_backward_done: the step's final backward pass (the one that reduces) has run.
+        grads_ready: the reduced gradient is readable (between the final backward pass and the optimizer step).
+        term_totals: each named term's normalised loss summed over this window's micro-batches (for logging).
+    """
+
+    micro_batches: list[Any]
+    counts: WindowCounts
+    dp_world_size: int = 1
+    streamed: bool = False
+    defers_sync: bool = False
+    index: int | None = None
+    final_backward_done: bool = False
+    grads_ready: bool = False
+    term_totals: dict[str, torch.Tensor] = field(default_factory=dict)
+    streamed_kind: str | None = None
+    streamed_custom: int = 0
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def prefetched(
+        cls,
+        batches: list[Any],
+        *,
+        count: Callable[[Mapping[str, Any]], MicroBatchCounts],
+        all_gather: Callable[[torch.Tensor], torch.Tensor],
+        device: torch.device | str,
+        dp_world_size: int,
+        defers_sync: bool = False,
+    ) -> Window:
+        """The window of this rank's fetched ``batches``: each one counted, the counts summed over ranks (one
+        collective)."""
+        counts = gather_window_counts([count(b) for b in batches], all_gather, device=device)
+        return cls(micro_batches=batches, counts=counts, dp_world_size=dp_world_size, defers_sync=defers_sync)
+
+    @classmethod
+    def stream(cls, *, dp_world_size: int) -> Window:
+        """An empty streamed window; :meth:`pull` adds micro-batches as they arrive."""
+        counts = WindowCounts(micro_batches=(), global_tokens=0, global_samples=0, num_micro_batches_per_rank=())
+        return cls(micro_batches=[], counts=counts, dp_world_size=dp_world_size, streamed=True, defers_sync=True)
+
+    def pull(
+        self, epoch_iterator: Iterator[Any], num_batches: int, count: Callable[[Mapping[str, Any]], MicroBatchCounts]
+    ) -> Iterator[Any]:
+        """Streamed: yield up to ``num_batches`` micro-batches from ``epoch_iterator``, counting each on arrival and
+        dropping it once its backward pass ran."""
+        for _ in range(num_batches):
+            try:
+                inputs = next(epoch_iterator)
+            except StopIteration:
+                return
+            self.counts = self.counts.with_micro_batches([*self.counts.micro_batches, count(inputs)])
+            self.micro_batches = [inputs]
+            yield inputs
+            self.micro_batches = []
+
+    def resplit(self, max_rows: int, count: Callable[[Mapping[str, Any]], MicroBatchCounts]) -> None:
+        """The same samples (and global counts), cut into micro-batches of at most ``max_rows`` rows on this rank."""
+        pieces = split_micro_batches(self.micro_batches, max_rows)
+        if len(pieces) != len(self.micro_batches):
+            self.micro_batches = pieces
+            self.counts = self.counts.with_micro_batches([count(p) for p in pieces])
+
+    # ---------------------------------------------------------------- where the step stands
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches of the step on this rank (streamed: pulled so far)."""
+        return len(self.counts.micro_batches)
+
+    @property
+    def is_last(self) -> bool:
+        """True while the last micro-batch of a prefetched window runs (a streamed window does not know it)."""
+        return not self.streamed and self.index is not None and self.index == len(self.micro_batches) - 1
+
+    @property
+    def current_counts(self) -> MicroBatchCounts:
+        if self.index is None:
+            raise GradAccDataError("No micro-batch of the optimizer step is running")
+        return self.counts.micro_batches[self.index if not self.streamed else -1]
+
+    def global_count(self, denominator: str) -> int:
+        """The denominator summed over every micro-batch of the step on every rank (prefetched windows)."""
+        return self.counts.global_count(denominator)
+
+    # ---------------------------------------------------------------- the normalisation
+    def normalized_terms(self, parsed: LossOutput, *, primary: str, warn_on_plain_loss: bool = True) -> list[
+        tuple[str, torch.Tensor]
+    ]:
+        """Each term of the running micro-batch's loss, ready for backward: its sum over the micro-batch divided by
+        its count over the whole step (streamed: not yet divided), times the world size.
+
+        A plain scalar (``parsed.plain``) is read as a mean over the micro-batch's counted ``primary`` items.
+        """
+        if self.streamed:
+            return self._streamed_terms(parsed, primary=primary)
+        local_counts = self.current_counts
+        world = self.dp_world_size
+        if parsed.plain is None:
+            parts: list[tuple[str, torch.Tensor]] = []
+            for name, term in parsed.terms.items():
+                if not isinstance(term.normalize_by, str):
+                    raise GradAccLossError(
+                        f"LossTerm {name!r} has a custom count ({term.normalize_by!r}), known only after the forward "
+                        "pass: set `defer_normalization=True` (the gradient is scaled once per step), or use "
+                        "normalize_by='tokens' / 'samples'."
+                    )
+                if term.normalize_by == "tokens" and not self.counts.labelled:
+                    raise GradAccLossError(
+                        f"LossTerm {name!r} is normalised by 'tokens' but the batch has no `labels` to count them; "
+                        "use normalize_by='samples', or have the data collator return `labels`."
+                    )
+                global_count = self.global_count(term.normalize_by)
+                if global_count == 0:
+                    logger.warning_once(
+                        f"Loss term {name!r} has no counted {term.normalize_by} in this optimizer step on any rank; "
+                        "it is left out of the step (no NaN)."
+                    )
+                    parts.append((name, term.total * 0.0))
+                else:
+                    parts.append((name, normalize(term.total, global_count, world)))
+            return parts
+        if warn_on_plain_loss:
+            logger.warning_once(
+                "compute_loss returned a plain tensor: GradAccTrainer reads it as the MEAN over the micro-batch's "
+                f"counted {primary} (num_items_in_batch is that local count) and re-weights it exactly. If it is not "
+                "such a mean, return hf_gradacc.LossTerm(total=<sum>, normalize_by=...) (set "
+                "`warn_on_plain_loss=False` to silence this)."
+            )
+        local = local_counts.get(primary)
+        if local == 0:
+            if not bool(torch.isfinite(parsed.plain)):
+                raise GradAccLossError(
+                    "compute_loss returned a non-finite mean for a micro-batch with no counted item. Return "
+                    "hf_gradacc.LossTerm(total=<sum>, ...), whose sum is 0 for an empty micro-batch."
+                )
+            return [("loss", parsed.plain * 0.0)]
+        return [("loss", normalize(parsed.plain * local, self.global_count(primary), world))]
+
+    def _streamed_terms(self, parsed: LossOutput, *, primary: str) -> list[tuple[str, torch.Tensor]]:
+        """Streamed windows: the ONE denominator all terms share, their sum times the world size."""
+        world = self.dp_world_size
+        if parsed.plain is not None:
+            kind, custom = primary, 0
+            local = self.current_counts.get(primary)
+            summed = parsed.plain * local if local else parsed.plain * 0.0
+        else:
+            terms = list(parsed.terms.values())
+            kinds = {t.normalize_by if isinstance(t.normalize_by, str) else "custom" for t in terms}
+            if len(kinds) != 1:
+                raise GradAccLossError(
+                    f"With `defer_normalization=True` every LossTerm must share one denominator (got {sorted(kinds)}):"
+                    " the gradient is scaled once per step. Turn `defer_normalization` off to mix denominators."
+                )
+            kind, custom = kinds.pop(), 0
+            if kind == "custom":
+                counts_given = {int(t.normalize_by) for t in terms}
+                if len(counts_given) != 1:
+                    raise GradAccLossError(
+                        f"With `defer_normalization=True` every LossTerm must share one count (got {sorted(counts_given)})"
+                    )
+                custom = counts_given.pop()
+            summed = terms[0].total
+            for term in terms[1:]:
+                summed = summed + term.total
+        if self.streamed_kind not in (None, kind):
+            raise GradAccLossError(
+                f"With `defer_normalization=True` every micro-batch of a step must use one denominator "
+                f"(got {self.streamed_kind!r} and {kind!r})."
+            )
+        self.streamed_kind = kind
+        self.streamed_custom += custom
+        return [("loss", summed * world)]
+
+    def finish_streamed(self, all_gather: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str) -> int | None:
+        """Sum this streamed window's counts over ranks (one collective) and agree on the denominator.
+
+        Returns the global count (0: nothing counted on any rank), or None when no rank had a micro-batch.
+        """
+        local = self.counts
+        kind_code = -1 if self.streamed_kind is None else STREAMED_KINDS.index(self.streamed_kind)
+        vector = torch.tensor(
+            [local.local_tokens, local.local_samples, self.streamed_custom, self.num_micro_batches, kind_code],
+            device=device,
+        )
+        rows = all_gather(vector).reshape(-1, 5).cpu()
+        self.counts = replace(
+            self.counts,
+            global_tokens=int(rows[:, 0].sum()),
+            global_samples=int(rows[:, 1].sum()),
+            num_micro_batches_per_rank=tuple(int(n) for n in rows[:, 3]),
+        )
+        if int(rows[:, 3].max()) == 0:
+            return None
+        # The denominator is agreed from every rank's row (a rank without micro-batches has none of its own).
+        codes = sorted({int(c) for c in rows[:, 4] if int(c) >= 0})
+        if len(codes) != 1:
+            raise GradAccLossError(
+                "With `defer_normalization=True` every rank must use one denominator in a step (got "
+                f"{[STREAMED_KINDS[c] for c in codes]})."
+            )
+        return int(rows[:, codes[0]].sum())  # columns 0, 1, 2 hold tokens, samples, custom counts
+
+    def add_term_totals(self, parts: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Keep each named term's share of the logged loss (only when there are several terms)."""
+        if len(parts) < 2:
+            return
+        for name, part in parts:
+            value = part.detach().float()
+            total = self.term_totals.get(name)
+            self.term_totals[name] = value if total is None else total + value
+
+
+
+@dataclass
+class TermLog:
+    """Each named loss term's share of the logged loss, summed over the optimizer steps since the last log line."""
+
+    totals: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_steps: int = 0
+
+    def add(self, window: Window) -> None:
+        if not window.term_totals:
+            return
+        self.num_steps += 1
+        for name, value in window.term_totals.items():
+            total = self.totals.get(name)
+            self.totals[name] = value if total is None else total + value
+
+    def pop_means(self, all_gather: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str) -> dict[str, float]:
+        """``{"loss/<name>": mean per step, averaged over ranks}`` (one collective on several ranks), then reset."""
+        if not self.totals or self.num_steps == 0:
+            return {}
+        names = sorted(self.totals)
+        stacked = all_gather(torch.stack([self.totals[n] for n in names]).to(device)).mean(dim=0)
+        means = {f"loss/{name}": value / self.num_steps for name, value in zip(names, stacked.tolist())}
+        self.totals, self.num_steps = {}, 0
+        return means

@@ -17,8 +17,17 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from hf_gradacc.reference import reference_gradients  # noqa: E402
-from hf_gradacc.tiny import PaddingCollator  # noqa: E402
+from hf_gradacc.testing.reference import reference_gradients  # noqa: E402
+from hf_gradacc.testing.tiny import PaddingCollator  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warning_once_cache():
+    """hf_gradacc warns through transformers' `logger.warning_once` (once per process); each test starts afresh."""
+    import logging
+
+    logging.Logger.warning_once.cache_clear()
+    yield
 
 
 @pytest.fixture(autouse=True, scope="session")

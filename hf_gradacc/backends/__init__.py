@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import warnings
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UnsupportedBackendError
 from .base import Backend
@@ -12,7 +13,9 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import TrainingArguments
 
-__all__ = ["Backend", "DDPBackend", "finish_distributed", "resolve_backend", "SUPPORTED_BACKENDS"]
+    from ..config import GradAccSettings
+
+__all__ = ["Backend", "DDPBackend", "resolve_backend", "SUPPORTED_BACKENDS"]
 
 SUPPORTED_BACKENDS = (
     "single process (NO)",
@@ -22,8 +25,21 @@ SUPPORTED_BACKENDS = (
 )
 
 
-def resolve_backend(accelerator: Accelerator, args: TrainingArguments) -> Backend:
-    """The backend for ``accelerator``'s distributed type, or an error listing the supported ones."""
+def resolve_backend(
+    accelerator: Accelerator,
+    args: TrainingArguments,
+    settings: GradAccSettings | None = None,
+    *,
+    multi_backward: bool = False,
+) -> Backend:
+    """The backend for ``accelerator``'s distributed type, or an error listing the supported ones.
+
+    Example:
+        ```python
+        backend = resolve_backend(trainer.accelerator, trainer.args)
+        print(backend.describe())            # "single process (NO)", "DeepSpeed ZeRO-2, 2 processes, gloo", ...
+        ```
+    """
     from accelerate.utils import DistributedType
 
     dist_type = accelerator.distributed_type
@@ -35,11 +51,11 @@ def resolve_backend(accelerator: Accelerator, args: TrainingArguments) -> Backen
                                                   "MULTI_MUSA") if hasattr(DistributedType, n)),
     }
     if dist_type in ddp_types:
-        return DDPBackend(accelerator, args)
+        return DDPBackend(accelerator, args, settings, multi_backward=multi_backward)
     if dist_type == DistributedType.DEEPSPEED:
         from .deepspeed import DeepSpeedBackend  # deepspeed is an optional dependency
 
-        return DeepSpeedBackend(accelerator, args)
+        return DeepSpeedBackend(accelerator, args, settings, multi_backward=multi_backward)
     if dist_type == DistributedType.FSDP:
         version = getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1)
         if version != 2:
@@ -49,34 +65,22 @@ def resolve_backend(accelerator: Accelerator, args: TrainingArguments) -> Backen
             )
         from .fsdp2 import FSDP2Backend
 
-        return FSDP2Backend(accelerator, args)
+        return FSDP2Backend(accelerator, args, settings, multi_backward=multi_backward)
     raise UnsupportedBackendError(
         f"GradAccTrainer cannot make accumulation exact under distributed type {dist_type!s}. "
         f"Supported: {', '.join(SUPPORTED_BACKENDS)}. Change the accelerate config (`distributed_type`)."
     )
 
 
-def finish_distributed() -> bool:
-    """Wait for every rank, destroy the process group, and let gloo's worker threads finish before exit.
+def __getattr__(name: str) -> Any:
+    if name == "finish_distributed":  # moved in 0.2: it tears the process group down, it is not a backend
+        warnings.warn(
+            "`hf_gradacc.backends.finish_distributed` moved to `hf_gradacc.distributed.finish_distributed`; the old "
+            "path will be removed in the next release.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        from ..distributed import finish_distributed
 
-    Returns True when it tore down a gloo group (the caller may then leave through ``os._exit``), else False.
-
-    On CPU ranks (gloo) a worker thread frees the last collective's tensors only once it holds the GIL; if the
-    interpreter is already shutting down then, the rank aborts ("terminate called without an active exception",
-    pytorch issue 190489). A short sleep after destroying the group hands it the GIL; that makes the abort rare, not
-    impossible (the `hf-gradacc` executable therefore leaves through ``os._exit``). Delete once torch fixes it.
-    """
-    import gc
-    import time
-
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    uses_gloo = dist.get_backend() == "gloo"
-    dist.barrier()
-    dist.destroy_process_group()
-    if uses_gloo:
-        gc.collect()  # a group held only by reference cycles is destroyed now, while the interpreter is alive
-        time.sleep(0.25)
-    return uses_gloo
+        return finish_distributed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

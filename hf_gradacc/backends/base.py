@@ -6,6 +6,12 @@ import contextlib
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from transformers.utils import logging
+
+from ..config import GradAccSettings
+from ..errors import UnsupportedBackendError
+
+logger = logging.get_logger(__name__)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -16,22 +22,51 @@ class Backend:
     """How one data-parallel backend syncs, runs backward, reduces gradients and steps.
 
     Subclasses live in one module each (``ddp.py``, ...) and are picked by
-    :func:`hf_gradacc.backends.resolve_backend`.
+    :func:`hf_gradacc.backends.resolve_backend`. Everything a backend needs is given to its constructor or to
+    :meth:`setup` (the prepared model and optimizer); the trainer never sets a backend's attributes.
+
+    Args:
+        accelerator: the trainer's accelerator.
+        args: the trainer's `TrainingArguments` (batch sizes and clipping, which DeepSpeed's config must match).
+        settings: the resolved knobs (``zero_reduction``, ``fsdp_sync``).
+        multi_backward: a micro-batch may run several backward passes through one forward pass
+            (``backward_per_term``, an overridden ``training_step``, ``auto_micro_batch``, streamed windows):
+            forward passes must then not decide the sync, and only the FINAL backward pass of a window reduces.
     """
 
     name: ClassVar[str] = "base"
-    # Set by the trainer when a micro-batch may run several backward passes through one forward pass
-    # (`backward_per_term=True`, or an overridden `training_step`): forward passes must then not decide the sync,
-    # and the FINAL backward pass of the window triggers it.
-    multi_backward: bool = False
-    # Whether several backward passes may run through ONE forward pass (retain_graph).
-    supports_backward_per_term: bool = True
-    # Whether a window can run with NO collective until `sync_window` (needed by auto_micro_batch).
+    # Whether a window can run with NO collective until `sync_window` (streamed windows, auto_micro_batch).
     supports_deferred_sync: ClassVar[bool] = False
+    # Whether several backward passes may run through ONE forward pass (retain_graph).
+    supports_backward_per_term: ClassVar[bool] = True
 
-    def __init__(self, accelerator: Accelerator, args: TrainingArguments) -> None:
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        args: TrainingArguments,
+        settings: GradAccSettings | None = None,
+        *,
+        multi_backward: bool = False,
+    ) -> None:
         self.accelerator = accelerator
         self.args = args
+        self.settings = settings = settings or GradAccSettings()
+        self.multi_backward = multi_backward
+        self.model: torch.nn.Module | None = None
+        for knob in ("defer_normalization", "auto_micro_batch"):
+            if getattr(settings, knob) and not self.supports_deferred_sync:
+                raise UnsupportedBackendError(
+                    f"`{knob}=True` is not supported on the {self.name} backend: its gradient cannot be reduced once "
+                    "after a window that ran without any collective. Supported: single process and DDP; turn it off "
+                    "(the default prefetching path is exact everywhere)."
+                )
+        defaults = GradAccSettings()
+        for knob, backend in (("zero_reduction", "deepspeed"), ("fsdp_sync", "fsdp2")):
+            if getattr(settings, knob) != getattr(defaults, knob) and self.name != backend:
+                logger.warning_once(
+                    f"`{knob}={getattr(settings, knob)!r}` is ignored: it applies to the {backend} backend, and this "
+                    f"run uses {self.name}. Remove it, or launch with a {backend} accelerate config."
+                )
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise a clear error, when the trainer is created, for a model this backend cannot prepare."""
@@ -50,7 +85,13 @@ class Backend:
         return f"{self.kind()}, {self.dp_world_size} processes, {group}"
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        """Called once the model and optimizer are prepared (wrapped), before the first window."""
+        """Bind the prepared (wrapped) model once, before the first window; check what the backend built."""
+        self.model = model
+
+    def _bound(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError(f"the {self.name} backend is used before setup() bound the prepared model")
+        return self.model
 
     @property
     def dp_world_size(self) -> int:
@@ -63,60 +104,61 @@ class Backend:
             return tensor.unsqueeze(0)
         return self.accelerator.gather(tensor.unsqueeze(0))
 
-    def sync_context(self, model: torch.nn.Module, *, is_last: bool) -> contextlib.AbstractContextManager:
-        """Context for one micro-batch's forward and backward passes."""
+    def sync_context(self, *, is_last: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch's forward and backward passes; ``is_last``: the window's last micro-batch."""
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor, *, model: torch.nn.Module, is_final: bool) -> None:
-        """Accumulate ``loss``'s gradient. ``is_final`` marks the last backward pass of the window."""
+    def backward(self, loss: torch.Tensor, *, is_final: bool, retain_graph: bool = False) -> None:
+        """Accumulate ``loss``'s gradient. ``is_final`` marks the backward pass of the window that reduces."""
         raise NotImplementedError
 
-    def sync_window(self, model: torch.nn.Module) -> None:
+    def sync_window(self) -> None:
         """Reduce the window's locally accumulated gradient (when no backward pass was final)."""
         raise NotImplementedError(f"the {self.name} backend cannot reduce a window after the fact")
 
-    def scale_grads(self, model: torch.nn.Module, factor: float) -> None:
-        """Multiply the reduced, accumulated gradient by ``factor`` (deferred normalisation)."""
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the reduced, accumulated gradient by ``factor`` (streamed windows)."""
         raise NotImplementedError(f"the {self.name} backend cannot scale its gradient after the window")
 
-    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Norm of the accumulated, reduced gradient before clipping; clip when ``max_norm`` is finite."""
         raise NotImplementedError
 
-    def optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply the accumulated gradient."""
         optimizer.step()
 
-    def zero_grad(self, model: torch.nn.Module) -> None:
-        model.zero_grad()
+    def zero_grad(self) -> None:
+        self._bound().zero_grad()
 
     def full_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, detached, on the CPU (a collective on sharded backends: call on every rank)."""
+        """Every parameter of ``model``, whole, detached, on the CPU (a collective on sharded backends: call on every
+        rank). Takes the model so that it also serves trainers this backend was never bound to (the stock one)."""
         module = self.accelerator.unwrap_model(model)
         return {n: p.detach().cpu() for n, p in module.named_parameters()}
 
     # ---- gradient access (valid between the final backward pass and the optimizer step)
-    def full_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+    def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The full reduced gradient of ``param``. Replicated backends return ``param.grad`` itself."""
         if param.grad is None:
             return torch.zeros_like(param)
         return param.grad
 
-    def local_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+    def local_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         """This rank's part of the gradient (the whole gradient on replicated backends)."""
-        return self.full_grad(name, param)
+        return self.full_grad(param)
 
-    def write_full_grad(self, name: str, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    def write_full_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Store a (possibly modified) full gradient back. No-op when ``full_grad`` returned the live tensor."""
         if param.grad is None:
             param.grad = grad
         elif grad is not param.grad:
             param.grad.copy_(grad)
 
-    def grad_sq_norms(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:
+    def grad_sq_norms(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         """Squared L2 norm of every parameter's full gradient (float64, one entry per parameter)."""
         values = [
             p.grad.detach().double().pow(2).sum() if p.grad is not None else torch.zeros((), dtype=torch.float64)
-            for _, p in named_params
+            for p in params
         ]
         return torch.stack([v.cpu() for v in values]) if values else torch.zeros(0, dtype=torch.float64)

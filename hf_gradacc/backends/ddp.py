@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import TrainingArguments
 
+    from ..config import GradAccSettings
+
 
 class DDPBackend(Backend):
     """One process, or DDP through accelerate.
@@ -25,8 +27,15 @@ class DDPBackend(Backend):
     name = "ddp"
     supports_deferred_sync = True
 
-    def __init__(self, accelerator: Accelerator, args: TrainingArguments) -> None:
-        super().__init__(accelerator, args)
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        args: TrainingArguments,
+        settings: GradAccSettings | None = None,
+        *,
+        multi_backward: bool = False,
+    ) -> None:
+        super().__init__(accelerator, args, settings, multi_backward=multi_backward)
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() != accelerator.num_processes:
@@ -39,21 +48,20 @@ class DDPBackend(Backend):
                 "(`--use_cpu true`)."
             )
 
-    def sync_context(self, model: torch.nn.Module, *, is_last: bool) -> contextlib.AbstractContextManager:
+    def sync_context(self, *, is_last: bool) -> contextlib.AbstractContextManager:
         if self.dp_world_size == 1 or (is_last and not self.multi_backward):
             return contextlib.nullcontext()
         if self.multi_backward:
-            return _local_forward_and_backward(self.accelerator, model)
-        return self.accelerator.no_sync(model)
+            return _local_forward_and_backward(self.accelerator, self._bound())
+        return self.accelerator.no_sync(self._bound())
 
-    def backward(
-        self, loss: torch.Tensor, *, model: torch.nn.Module, is_final: bool, retain_graph: bool = False
-    ) -> None:
+    def backward(self, loss: torch.Tensor, *, is_final: bool, retain_graph: bool = False) -> None:
         if is_final and self.multi_backward and self.dp_world_size > 1:
             # The forward ran under no_sync, so the reducer was told not to expect this backward: re-arm it
             # (reducer.prepare_for_backward) or the final pass is silently not all-reduced. The zero term makes
             # every parameter receive a gradient in this pass, so every bucket is reduced even when the final
             # loss term does not reach all of them (a GAN or VAE term that uses half the model).
+            model = self._bound()
             for param in model.parameters():
                 if param.requires_grad:
                     loss = loss + param.sum() * 0.0
@@ -62,9 +70,10 @@ class DDPBackend(Backend):
         else:
             self.accelerator.backward(loss, retain_graph=retain_graph)
 
-    def sync_window(self, model: torch.nn.Module) -> None:
+    def sync_window(self) -> None:
         if self.dp_world_size == 1:
             return
+        model = self._bound()
         # A backward pass of an exact zero through every parameter: the re-armed reducer all-reduces the gradient
         # accumulated locally over the window, once.
         zero = None
@@ -75,13 +84,13 @@ class DDPBackend(Backend):
             with _sync_in_backward(model, zero):
                 self.accelerator.backward(zero)
 
-    def scale_grads(self, model: torch.nn.Module, factor: float) -> None:
-        for param in model.parameters():
+    def scale_grads(self, factor: float) -> None:
+        for param in self._bound().parameters():
             if param.grad is not None:
                 param.grad.mul_(factor)
 
-    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-        norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        norm = self.accelerator.clip_grad_norm_(self._bound().parameters(), max_norm)
         return norm if torch.is_tensor(norm) else torch.tensor(float(norm))
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.utils import logging
 
-from ..config import ZERO_REDUCTIONS
 from ..errors import GradAccConfigError, UnsupportedBackendError
 from .base import Backend
 
@@ -26,7 +25,9 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import TrainingArguments
 
-logger = logging.getLogger(__name__)
+    from ..config import GradAccSettings
+
+logger = logging.get_logger(__name__)
 
 SUPPORTED_ZERO_STAGES = (1, 2, 3)
 
@@ -167,21 +168,29 @@ class DeepSpeedBackend(Backend):
 
     name = "deepspeed"
 
-    def __init__(self, accelerator: Accelerator, args: TrainingArguments) -> None:
-        super().__init__(accelerator, args)
-        self.zero_reduction: str = getattr(args, "zero_reduction", "per_micro_batch")
-        if self.zero_reduction not in ZERO_REDUCTIONS:
-            raise GradAccConfigError(f"`zero_reduction` ({self.zero_reduction!r}) must be one of {ZERO_REDUCTIONS}")
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        args: TrainingArguments,
+        settings: GradAccSettings | None = None,
+        *,
+        multi_backward: bool = False,
+    ) -> None:
+        super().__init__(accelerator, args, settings, multi_backward=multi_backward)
+        self.zero_reduction = self.settings.zero_reduction
         self._check_process_count()
         plugin = accelerator.state.deepspeed_plugin
         if plugin is None:
             raise UnsupportedBackendError("accelerate reports DeepSpeed but holds no DeepSpeed plugin (config).")
         check_deepspeed_config(plugin.deepspeed_config, args, accelerator.num_processes)
         self.zero_stage: int = int(plugin.deepspeed_config["zero_optimization"]["stage"])
-        self.supports_backward_per_term = self.zero_stage != 3
         self.engine: Any = None
         self._window_reduction: contextlib.ExitStack | None = None
-        self._warned: set[str] = set()
+
+    @property
+    def supports_backward_per_term(self) -> bool:  # type: ignore[override]
+        # ZeRO-3 fails on a second backward pass through one forward (partitioned gradient sizes no longer match).
+        return self.zero_stage != 3
 
     def kind(self) -> str:
         return f"DeepSpeed ZeRO-{self.zero_stage}"
@@ -197,11 +206,6 @@ class DeepSpeedBackend(Backend):
                 "hf_gradacc.patches.enable_cpu_distributed() before building TrainingArguments)."
             )
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message)
-
     # ------------------------------------------------------------------ setup
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         from deepspeed import DeepSpeedEngine
@@ -211,11 +215,10 @@ class DeepSpeedBackend(Backend):
                 f"accelerate reports DeepSpeed but the prepared model is a {type(model).__name__}, not a "
                 "DeepSpeedEngine. Let the Trainer prepare the model (do not pass an already-prepared one)."
             )
+        super().setup(model, optimizer)
         engine = model
         self.engine = engine
         stage = self.zero_stage = int(engine.zero_optimization_stage())
-        # ZeRO-3 fails on a second backward pass through one forward (partitioned gradient sizes no longer match).
-        self.supports_backward_per_term = stage != 3
         zero_optimizer = engine.optimizer
         if stage not in SUPPORTED_ZERO_STAGES or not hasattr(zero_optimizer, "_coalesce_grad_reduction"):
             raise UnsupportedBackendError(
@@ -244,13 +247,10 @@ class DeepSpeedBackend(Backend):
             f"clipping at {wanted_clip or 'off'}."
         )
 
-    def _engine(self, model: torch.nn.Module) -> Any:
-        return self.engine if self.engine is not None else model
-
     # ------------------------------------------------------------------ the window
     @contextlib.contextmanager
-    def _micro_batch(self, model: torch.nn.Module, *, is_last: bool) -> Iterator[None]:
-        engine = self._engine(model)
+    def _micro_batch(self, *, is_last: bool) -> Iterator[None]:
+        engine = self._bound()
         if self.zero_reduction == "per_window" and self._window_reduction is None:
             stack = contextlib.ExitStack()
             stack.enter_context(engine.coalesce_grad_reduction())
@@ -270,13 +270,11 @@ class DeepSpeedBackend(Backend):
         if stack is not None:
             stack.close()  # leaving coalesce_grad_reduction runs the window's one reduction
 
-    def sync_context(self, model: torch.nn.Module, *, is_last: bool) -> contextlib.AbstractContextManager:
-        return self._micro_batch(model, is_last=is_last)
+    def sync_context(self, *, is_last: bool) -> contextlib.AbstractContextManager:
+        return self._micro_batch(is_last=is_last)
 
-    def backward(
-        self, loss: torch.Tensor, *, model: torch.nn.Module, is_final: bool, retain_graph: bool = False
-    ) -> None:
-        engine = self._engine(model)
+    def backward(self, loss: torch.Tensor, *, is_final: bool, retain_graph: bool = False) -> None:
+        engine = self._bound()
         if retain_graph and self.zero_stage == 3:
             raise GradAccConfigError(
                 "A second backward pass through one forward pass (retain_graph=True) fails inside DeepSpeed ZeRO-3 "
@@ -294,9 +292,8 @@ class DeepSpeedBackend(Backend):
             return 1.0
         return float(engine.optimizer.loss_scale)
 
-    def _named_trainable(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-        module = self._engine(model).module
-        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self._bound().module.parameters() if p.requires_grad]
 
     def _local_view(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         """This rank's live part of ``param``'s reduced gradient (flat), None when it holds none."""
@@ -309,7 +306,7 @@ class DeepSpeedBackend(Backend):
             return None
         return mapping.get_lp_grad_fragment(param._index_in_param_group)
 
-    def full_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+    def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The full reduced gradient (``safe_get_full_grad``): a collective, call it on every rank in one order."""
         from deepspeed.utils import safe_get_full_grad
 
@@ -320,32 +317,32 @@ class DeepSpeedBackend(Backend):
         scale = self._loss_scale()
         return grad / scale if scale != 1.0 else grad
 
-    def local_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+    def local_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         """This rank's flat part of the reduced gradient (its ZeRO partition); empty when it holds none."""
         grad = self._local_view(param)
         if grad is None:
             return torch.zeros(0, dtype=torch.float32, device=param.device)
         scale = self._loss_scale()
         if scale != 1.0:
-            self._warn_once("fp16_local", "Under fp16 the local gradient is a copy: in-place edits do not reach it.")
+            logger.warning_once("Under fp16 the local gradient is a copy: in-place edits do not reach it.")
             return grad / scale
         return grad
 
-    def write_full_grad(self, name: str, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    def write_full_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Store a full gradient back into this rank's partition (``safe_set_full_grad``; no communication)."""
         from deepspeed.utils import safe_set_full_grad
 
         scale = self._loss_scale()
         safe_set_full_grad(param, grad * scale if scale != 1.0 else grad)
 
-    def grad_sq_norms(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:
+    def grad_sq_norms(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         """Squared L2 norm of every parameter's reduced gradient: local partition sums, one all-reduce."""
         import torch.distributed as dist
 
         engine = self.engine
         device = engine.device if engine is not None else torch.device("cpu")
-        squares = torch.zeros(len(named_params), dtype=torch.float64, device=device)
-        for i, (_, param) in enumerate(named_params):
+        squares = torch.zeros(len(params), dtype=torch.float64, device=device)
+        for i, param in enumerate(params):
             local = self._local_view(param)
             if local is not None and local.numel() > 0:
                 squares[i] = local.detach().to(device=device, dtype=torch.float64).pow(2).sum()
@@ -355,22 +352,21 @@ class DeepSpeedBackend(Backend):
         scale = self._loss_scale()
         return (squares / (scale * scale)).cpu()
 
-    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The exact global norm before the step; DeepSpeed clips inside ``engine.step()`` at ``max_grad_norm``."""
-        engine = self._engine(model)
+        engine = self._bound()
         wanted = _clip_value(max_norm)
         if _clip_value(engine.gradient_clipping()) != wanted:
-            self._warn_once(
-                "clip",
+            logger.warning_once(
                 f"clip_grad_norm(max_norm={max_norm}) differs from the engine's gradient_clipping "
                 f"({engine.gradient_clipping()}); DeepSpeed clips at its configured value inside engine.step().",
             )
-        squares = self.grad_sq_norms(self._named_trainable(model))
+        squares = self.grad_sq_norms(self._trainable())
         return squares.sum().sqrt().to(torch.float32)
 
     # ------------------------------------------------------------------ step
-    def optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        engine = self._engine(model)
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        engine = self._bound()
         assert self._window_reduction is None, "the window's gradient reduction is still open at the optimizer step"
         # Without the boundary flag engine.step() silently skips the update (coalesce_grad_reduction restores the
         # flag it found on entry, and the first micro-batch set it to False).
@@ -394,5 +390,5 @@ class DeepSpeedBackend(Backend):
         with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
             return {n: p.detach().clone().cpu() for n, p in named}
 
-    def zero_grad(self, model: torch.nn.Module) -> None:
+    def zero_grad(self) -> None:
         """Nothing to do: ``engine.step()`` already cleared the ZeRO gradient buffers and ``param.grad``."""

@@ -3,28 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+from transformers.utils import logging
 
-from ..config import FSDP_SYNCS
 from ..errors import GradAccConfigError
 from .base import Backend
+from .fsdp2_wrap import check_fsdp2_wrapping
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import TrainingArguments
 
-logger = logging.getLogger(__name__)
+    from ..config import GradAccSettings
 
-# The accelerate release whose FSDP2 wrapping `fsdp2_wrap_problems` mirrors (`fsdp2_prepare_model`): on it a
-# predicted problem is an error; on another release it is a warning, since the wrapping may have changed.
-WRAPPING_CHECKED_WITH_ACCELERATE = (1, 15)
-
+logger = logging.get_logger(__name__)
 
 def fsdp_root(model: torch.nn.Module) -> torch.nn.Module:
     """The outermost module ``fully_shard`` was applied to (``model`` itself once accelerate prepared it).
@@ -57,168 +52,6 @@ def is_hsdp(model: torch.nn.Module) -> bool:
     return False
 
 
-# ---------------------------------------------------------------------------------------------- wrapping preflight
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WrapProblem:
-    """One reason accelerate's FSDP2 wrapping would fail on a model, with the fix."""
-
-    kind: str  # "nested_embedding" | "tied_across_groups"
-    message: str
-
-
-def _accelerate_version() -> tuple[int, ...]:
-    import accelerate
-
-    parts = []
-    for piece in accelerate.__version__.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
-def _auto_wrap_class_names(model: torch.nn.Module, fsdp_plugin: Any) -> list[str] | None:
-    """The class names accelerate's transformer auto-wrap policy wraps, or None for another policy."""
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-    policy = getattr(fsdp_plugin, "auto_wrap_policy", None)
-    if isinstance(policy, functools.partial):
-        policy = policy.func
-    if isinstance(policy, str):  # not yet resolved by the plugin's __post_init__
-        if policy.upper() != "TRANSFORMER_BASED_WRAP":
-            return [] if policy.upper() == "NO_WRAP" else None
-    elif policy is None:
-        return []
-    elif policy is not transformer_auto_wrap_policy:
-        return None  # size-based or custom: not predicted
-    names = getattr(fsdp_plugin, "transformer_cls_names_to_wrap", None)
-    if isinstance(names, str):
-        names = names.split(",")
-    if names is None:
-        names = list(getattr(model, "_no_split_modules", None) or [])
-    return [n.strip() for n in names if n.strip()]
-
-
-def _final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
-    try:
-        from accelerate.utils.fsdp_utils import _find_final_norm
-    except ImportError:
-        return None
-    return _find_final_norm(model)
-
-
-def fsdp2_wrap_problems(model: torch.nn.Module, fsdp_plugin: Any) -> list[WrapProblem]:
-    """Why accelerate's FSDP2 wrapping (``fsdp2_prepare_model``, accelerate 1.15) would fail on ``model``.
-
-    accelerate wraps, in this order: every module of the auto-wrap classes (``transformer_layer_cls_to_wrap``, by
-    default the model's ``_no_split_modules``), the input embeddings, a tail group (final norm, output embeddings,
-    and the input embeddings when they are tied to the output ones), then the root. Two layouts make torch refuse:
-
-    - ``nested_embedding``: an auto-wrap class contains the input (or output) embeddings, which accelerate then
-      wraps a second time (BERT: ``BertEmbeddings`` is in ``_no_split_modules``). torch fails with "Invariant
-      encountered: value was None when it should not be".
-    - ``tied_across_groups``: one parameter reachable from modules of two different groups (T5's shared embedding,
-      BertForMaskedLM's decoder bias). torch fails with "... is shared with a parameter already managed by another
-      FSDP group".
-
-    Input and output embeddings tied to each other (``tie_word_embeddings=True``) are fine: they share a group.
-    Size-based and custom wrap policies are not predicted (empty list).
-
-    Example:
-        ```python
-        problems = fsdp2_wrap_problems(model, trainer.accelerator.state.fsdp_plugin)
-        for p in problems:
-            print(p.kind, p.message)
-        ```
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
-        return []  # already sharded (e.g. loaded with a distributed config): accelerate does not wrap it again
-    class_names = _auto_wrap_class_names(model, fsdp_plugin)
-    if class_names is None:
-        return []
-    problems: list[WrapProblem] = []
-    paths = {id(m): name or "<root>" for name, m in model.named_modules()}
-    # accelerate wraps bottom-up (innermost first); a module belongs to the first unit that contains it
-    units: list[tuple[str, torch.nn.Module]] = []
-    for name, module in reversed(list(model.named_modules())):
-        if module is not model and type(module).__name__ in class_names:
-            units.append((f"{type(module).__name__} ({name})", module))
-    unit_of: dict[int, str] = {}
-
-    def claim(label: str, modules: list[torch.nn.Module]) -> None:
-        for module in modules:
-            for sub in module.modules():
-                unit_of.setdefault(id(sub), label)
-
-    for label, module in units:
-        claim(label, [module])
-
-    def embedding(getter: str) -> torch.nn.Module | None:
-        fn = getattr(model, getter, None)
-        try:
-            return fn() if callable(fn) else None
-        except (NotImplementedError, AttributeError):
-            return None
-
-    input_embed, output_embed = embedding("get_input_embeddings"), embedding("get_output_embeddings")
-    input_weight = getattr(input_embed, "weight", None)
-    tied_io = input_weight is not None and input_weight is getattr(output_embed, "weight", None)
-    tail = [
-        m
-        for m in ((_final_norm(model), input_embed, output_embed) if tied_io else (_final_norm(model), output_embed))
-        if m is not None
-    ]
-    extra = ([] if tied_io or input_embed is None else [("input embeddings", [input_embed])]) + (
-        [("tail (final norm, output embeddings)", tail)] if tail else []
-    )
-    for label, modules in extra:
-        for module in modules:
-            owner = next(
-                (lbl for lbl, unit in units if unit is not module and any(s is module for s in unit.modules())), None
-            )
-            if owner is not None:
-                owner_class = owner.split(" ")[0]
-                keep = [n for n in class_names if n != owner_class]
-                problems.append(
-                    WrapProblem(
-                        kind="nested_embedding",
-                        message=(
-                            f"`{paths.get(id(module))}` ({type(module).__name__}, part of the {label}) lies inside "
-                            f"the auto-wrapped {owner}; accelerate wraps it a second time and torch fails "
-                            "('Invariant encountered: value was None'). Wrap only the layer classes: "
-                            f"fsdp_config={{'transformer_layer_cls_to_wrap': {keep}}} in TrainingArguments (accelerate "
-                            f"config: `fsdp_transformer_layer_cls_to_wrap: {','.join(keep)}`)."
-                        ),
-                    )
-                )
-        claim(label, modules)
-    claim("root", [model])
-
-    owners: dict[int, list[tuple[str, str]]] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for p_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
-            full = f"{mod_name}.{p_name}" if mod_name else p_name
-            owners.setdefault(id(param), []).append((full, unit_of.get(id(module), "root")))
-    for entries in owners.values():
-        groups = sorted({g for _, g in entries})
-        if len(groups) > 1:
-            names = sorted({n for n, _ in entries})
-            problems.append(
-                WrapProblem(
-                    kind="tied_across_groups",
-                    message=(
-                        f"{names} are one tied parameter, but accelerate puts them in different FSDP groups "
-                        f"({', '.join(groups)}); torch refuses ('shared with a parameter already managed by another "
-                        "FSDP group'). FSDP2 through accelerate cannot shard this model as is: train it with DDP or "
-                        "DeepSpeed ZeRO (`distributed_type` in the accelerate config), or untie the weights where "
-                        "the model allows it."
-                    ),
-                )
-            )
-    return problems
-
-
 class FSDP2Backend(Backend):
     """FSDP2 through accelerate: one window's gradient is reduced per ``args.fsdp_sync``.
 
@@ -248,11 +81,16 @@ class FSDP2Backend(Backend):
 
     name = "fsdp2"
 
-    def __init__(self, accelerator: Accelerator, args: TrainingArguments) -> None:
-        super().__init__(accelerator, args)
-        self.fsdp_sync: str = getattr(args, "fsdp_sync", "deferred")
-        if self.fsdp_sync not in FSDP_SYNCS:
-            raise GradAccConfigError(f"`fsdp_sync` ({self.fsdp_sync!r}) must be one of {FSDP_SYNCS}")
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        args: TrainingArguments,
+        settings: GradAccSettings | None = None,
+        *,
+        multi_backward: bool = False,
+    ) -> None:
+        super().__init__(accelerator, args, settings, multi_backward=multi_backward)
+        self.fsdp_sync = self.settings.fsdp_sync
         self._hsdp: bool | None = None
 
     def kind(self) -> str:
@@ -260,20 +98,10 @@ class FSDP2Backend(Backend):
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise a clear error for a model accelerate's FSDP2 wrapping would reject (see `fsdp2_wrap_problems`)."""
-        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        if plugin is None:
-            return
-        problems = fsdp2_wrap_problems(model, plugin)
-        if not problems:
-            return
-        text = f"{type(model).__name__} cannot be wrapped by accelerate's FSDP2:\n" + "\n".join(
-            f"- {p.message}" for p in problems
-        )
-        if _accelerate_version() == WRAPPING_CHECKED_WITH_ACCELERATE:
-            raise GradAccConfigError(text)
-        logger.warning(f"{text}\n(predicted from accelerate 1.15's wrapping; this accelerate may differ)")
+        check_fsdp2_wrapping(model, getattr(self.accelerator.state, "fsdp_plugin", None))
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        super().setup(model, optimizer)
         root = fsdp_root(model)
         self._hsdp = is_hsdp(root)
         if self.fsdp_sync == "defer_all_reduce" and not self._hsdp:
@@ -299,37 +127,35 @@ class FSDP2Backend(Backend):
         root.set_is_last_backward(is_final)
 
     @contextlib.contextmanager
-    def _restore_defaults(self, model: torch.nn.Module) -> Iterator[None]:
+    def _restore_defaults(self) -> Iterator[None]:
         try:
             yield
         finally:
             # upstream defaults again, so that evaluation or user code outside the window never sees a stale setting
-            root = fsdp_root(model)
+            root = fsdp_root(self._bound())
             root.set_requires_gradient_sync(True)
             root.set_is_last_backward(True)
 
-    def sync_context(self, model: torch.nn.Module, *, is_last: bool) -> contextlib.AbstractContextManager:
-        # FSDP2 reads the sync flags in the post-backward hooks, so `backward` sets them per pass; outside the
-        # micro-batch the upstream defaults are restored.
-        return self._restore_defaults(model)
+    def sync_context(self, *, is_last: bool) -> contextlib.AbstractContextManager:
+        # FSDP2 reads the sync flags in the post-backward hooks, so `backward` sets them per pass (whatever the
+        # micro-batch's position); after each micro-batch the upstream defaults are restored.
+        return self._restore_defaults()
 
-    def backward(
-        self, loss: torch.Tensor, *, model: torch.nn.Module, is_final: bool, retain_graph: bool = False
-    ) -> None:
-        self._set_sync(fsdp_root(model), is_final=is_final)
+    def backward(self, loss: torch.Tensor, *, is_final: bool, retain_graph: bool = False) -> None:
+        self._set_sync(fsdp_root(self._bound()), is_final=is_final)
         # accelerate's FSDP2 path is a plain loss.backward() (through its grad scaler with fp16); the Trainer keeps
         # accelerate's own accumulation at 1 step, so accelerate does not rescale the loss.
         self.accelerator.backward(loss, retain_graph=retain_graph)
 
-    def scale_grads(self, model: torch.nn.Module, factor: float) -> None:
-        for param in model.parameters():
+    def scale_grads(self, factor: float) -> None:
+        for param in self._bound().parameters():
             if param.grad is not None:
                 param.grad.mul_(factor)  # elementwise on each rank's shard: no communication
 
-    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
-        norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        norm = self.accelerator.clip_grad_norm_(self._bound().parameters(), max_norm)
         if isinstance(norm, DTensor):  # a norm over sharded grads is a DTensor
             norm = norm.full_tensor()
         return norm if torch.is_tensor(norm) else torch.tensor(float(norm))
@@ -342,7 +168,7 @@ class FSDP2Backend(Backend):
             for n, p in fsdp_root(model).named_parameters()
         }
 
-    def full_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+    def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         grad = param.grad
@@ -350,7 +176,7 @@ class FSDP2Backend(Backend):
             grad = torch.zeros_like(param)
         return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
-    def local_grad(self, name: str, param: torch.nn.Parameter) -> torch.Tensor:
+    def local_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         grad = param.grad
@@ -358,11 +184,11 @@ class FSDP2Backend(Backend):
             return torch.zeros_like(param.to_local() if isinstance(param, DTensor) else param)
         return grad.to_local() if isinstance(grad, DTensor) else grad
 
-    def write_full_grad(self, name: str, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    def write_full_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         if not isinstance(param, DTensor):
-            super().write_full_grad(name, param, grad)
+            super().write_full_grad(param, grad)
             return
         # Every rank holds the same full gradient: cut this rank's shard locally (src_data_rank=None: no collective)
         shard = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
@@ -371,14 +197,14 @@ class FSDP2Backend(Backend):
         else:
             param.grad.to_local().copy_(shard.to_local())
 
-    def grad_sq_norms(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:
+    def grad_sq_norms(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor, Shard
 
         local: list[torch.Tensor] = []
         group = None
         shard_rank = 0
-        for _, param in named_params:
+        for param in params:
             grad = param.grad
             if isinstance(grad, DTensor):
                 if group is None:
@@ -396,7 +222,7 @@ class FSDP2Backend(Backend):
         squares = torch.stack(local)
         if group is not None:
             # replicated (non-DTensor) grads are whole on every shard rank: count them once
-            plain = torch.tensor([not isinstance(p.grad, DTensor) for _, p in named_params], device=squares.device)
+            plain = torch.tensor([not isinstance(p.grad, DTensor) for p in params], device=squares.device)
             if shard_rank != 0:
                 squares = torch.where(plain, torch.zeros_like(squares), squares)
             dist.all_reduce(squares, group=group)  # one collective: the shards' sums of squares add up

@@ -6,17 +6,21 @@ from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
 
+from ..errors import GradAccUsageError
+
 if TYPE_CHECKING:
-    from ..trainer import GradAccTrainer
+    from ..mixin import GradAccMixin
 
 
 class GradAccCallback(TrainerCallback):
-    """Base of the hf_gradacc callbacks: ``self.trainer`` is set when the callback is added to a GradAccTrainer.
+    """Base of the hf_gradacc callbacks: ``self.trainer`` is set when the callback is added to a trainer with
+    :class:`~hf_gradacc.GradAccMixin` (e.g. GradAccTrainer).
 
     It gives callbacks ``trainer.grads`` (gradient access on every backend) and ``trainer.add_log_metrics``, and
-    one extra event, ``on_accumulated_grads``: called once per optimizer step on every rank, after the final
-    backward pass and the accumulated-gradient hooks, BEFORE clipping (``on_pre_optimizer_step`` runs after
-    clipping, as in `Trainer`).
+    two extra events, dispatched like the Trainer's own (any callback that defines them receives them):
+    ``on_window_counted`` (the step's counts over every rank are known) and ``on_accumulated_grads`` (called once
+    per optimizer step on every rank, after the final backward pass and the accumulated-gradient hooks, BEFORE
+    clipping; ``on_pre_optimizer_step`` runs after clipping, as in `Trainer`).
 
     Example:
         ```python
@@ -30,17 +34,22 @@ class GradAccCallback(TrainerCallback):
         ```
     """
 
-    trainer: GradAccTrainer | None = None
+    trainer: GradAccMixin | None = None
 
-    def bind(self, trainer: GradAccTrainer) -> None:
+    def bind(self, trainer: GradAccMixin) -> None:
         self.trainer = trainer
+
+    def on_window_counted(self, args, state, control, window=None, **kwargs):
+        """The optimizer step's micro-batches are counted over every rank: ``window.counts`` holds this rank's
+        per-micro-batch counts and the global sums (a prefetched step: before its first forward pass; a streamed one,
+        ``defer_normalization``: after its last backward pass). Called for skipped steps too."""
 
     def on_accumulated_grads(self, args, state, control, **kwargs):
         """The step's gradient is reduced and readable (``self.trainer.grads``), not yet clipped."""
 
-    def _require_trainer(self) -> GradAccTrainer:
+    def _require_trainer(self) -> GradAccMixin:
         if self.trainer is None:
-            raise RuntimeError(
+            raise GradAccUsageError(
                 f"{type(self).__name__} needs a GradAccTrainer: pass it in `callbacks=[...]` or `trainer.add_callback`"
             )
         return self.trainer

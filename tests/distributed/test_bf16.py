@@ -1,7 +1,7 @@
 """bf16 mixed precision on 2 CPU ranks (gloo): DDP (CPU autocast), FSDP2 (MixedPrecisionPolicy) and DeepSpeed
 ZeRO-2 (bf16 engine, float32 masters).
 
-Each backend is one launch of ``bf16_workers/bf16_cases.py`` running several one-step cases: SGD(lr=1) built by the
+Each backend is one launch of ``workers/bf16_cases.py`` running several one-step cases: SGD(lr=1) built by the
 Trainer (``optim="sgd"``), per-device batch 2 x GA 4 x 2 ranks, mixed lengths, ``bf16=True``. The update is
 compared with the float64 full-batch gradient of the float32 model over the samples of both ranks.
 
@@ -31,7 +31,7 @@ from tests.distributed.launcher import run_workers
 
 pytestmark = pytest.mark.distributed
 
-WORKER = Path(__file__).resolve().parent / "bf16_workers" / "bf16_cases.py"
+WORKER = Path(__file__).resolve().parent / "workers" / "bf16_cases.py"
 BF16_RELATIVE_TOLERANCE = 3e-2  # see the module docstring: ~8 bf16 rounding units, measured worst 1.2e-2
 BF16_MIN_COSINE = 0.999  # measured >= 0.99993: bf16 rounding is noise, not a change of direction
 LAUNCH_TIMEOUT_S = 300.0  # the first DeepSpeed launch on a machine builds its shm op (~100 s, then cached)
@@ -119,7 +119,7 @@ def test_transformers_refuses_bf16_with_deepspeed_on_a_cpu_host():
     transformers 5.23 rejects ``bf16=True`` without ``use_cpu`` when no GPU supports bf16, and ``use_cpu`` would
     replace DeepSpeed by DDP, so DeepSpeed bf16 cannot be configured on a CPU-only host although DeepSpeed's CPU
     accelerator runs it (the cases above). When this test fails, transformers lifted the check: drop the bypass in
-    ``bf16_workers/bf16_cases.py``.
+    ``workers/bf16_cases.py``.
     """
     for rank in results_for("zero2")["unpatched-args"]:
         assert rank["error_type"] == "ValueError", rank

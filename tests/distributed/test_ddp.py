@@ -3,7 +3,7 @@
 Every case runs in ``workers/ddp_cases.py``; one launch runs all of them (process start-up is most of the cost)
 and each case leaves one JSON result per rank. The core assertion: the SGD(lr=1) update of one step, on BOTH
 ranks, is within relative error 1e-5 of the float64 gradient over ALL samples of both ranks
-(:mod:`hf_gradacc.reference`). Data: mixed lengths, heavy padding, many ignored labels; each rank holds
+(:mod:`hf_gradacc.testing.reference`). Data: mixed lengths, heavy padding, many ignored labels; each rank holds
 ``per_device_train_batch_size`` 2 x ``gradient_accumulation_steps`` 4 samples per step.
 """
 

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-1/2/3 on 2 CPU ranks (gloo), launched as users launch it: ``accelerate launch --config_file``.
 
-Each stage is one launch of ``ds_workers/ds_cases.py`` with ``examples/accelerate_configs/zero<N>_cpu.yaml`` and
+Each stage is one launch of ``workers/deepspeed_cases.py`` with ``examples/accelerate_configs/zero<N>_cpu.yaml`` and
 ``HF_GRADACC_CPU_DISTRIBUTED=1``; the launch runs several one-step cases (SGD lr=1, one window of per-device batch
 2 x GA 4 x 2 ranks, mixed lengths) and every test reads their results. Exact means relative gradient error <= 1e-5
 against the float64 full-batch reference (float32 training). The first DeepSpeed launch on a machine builds
@@ -23,7 +23,7 @@ from hf_gradacc.errors import GradAccConfigError, UnsupportedBackendError  # noq
 from tests.distributed.launcher import run_accelerate, run_workers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).resolve().parent / "ds_workers" / "ds_cases.py"
+WORKER = Path(__file__).resolve().parent / "workers" / "deepspeed_cases.py"
 CONFIGS = REPO / "examples" / "accelerate_configs"
 TOLERANCE = 1e-5
 LAUNCH_TIMEOUT_S = 240.0

@@ -22,7 +22,7 @@ from tests.distributed.launcher import run_accelerate, run_workers
 pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).resolve().parent / "fsdp_workers" / "fsdp2_worker.py"
+WORKER = Path(__file__).resolve().parent / "workers" / "fsdp2_cases.py"
 CPU_YAML = REPO / "examples" / "accelerate_configs" / "fsdp2_cpu.yaml"
 TOLERANCE = 1e-5
 SYNCS = ("deferred", "every_micro_batch", "defer_all_reduce")
@@ -189,10 +189,10 @@ def test_fsdp_version_1_is_refused():
 
 
 def test_unknown_fsdp_sync_is_refused():
-    from hf_gradacc.backends.fsdp2 import FSDP2Backend
+    from hf_gradacc import GradAccArguments
 
     with pytest.raises(GradAccConfigError, match="`fsdp_sync` \\('sometimes'\\)"):
-        FSDP2Backend(SimpleNamespace(num_processes=2), SimpleNamespace(fsdp_sync="sometimes"))
+        GradAccArguments(fsdp_sync="sometimes")
 
 
 def _plugin(**kwargs):
@@ -213,8 +213,8 @@ def _plugin(**kwargs):
     ],
 )
 def test_wrap_problems_are_predicted(task, plugin_kwargs, kinds):
-    from hf_gradacc.backends.fsdp2 import fsdp2_wrap_problems
-    from hf_gradacc.tiny import build_tiny_model
+    from hf_gradacc.backends.fsdp2_wrap import fsdp2_wrap_problems
+    from hf_gradacc.testing.tiny import build_tiny_model
 
     problems = fsdp2_wrap_problems(build_tiny_model(task), _plugin(**plugin_kwargs))
     assert [p.kind for p in problems] == kinds
@@ -223,7 +223,7 @@ def test_wrap_problems_are_predicted(task, plugin_kwargs, kinds):
 def test_tied_input_output_embeddings_are_wrappable():
     import transformers as tf
 
-    from hf_gradacc.backends.fsdp2 import fsdp2_wrap_problems
+    from hf_gradacc.backends.fsdp2_wrap import fsdp2_wrap_problems
 
     config = tf.LlamaConfig(
         vocab_size=64,

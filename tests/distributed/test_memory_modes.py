@@ -1,7 +1,7 @@
 """Memory modes and regrouped micro-batches on 2 CPU ranks (gloo): the same update as the plain step.
 
 One launch per backend (process start-up is most of the cost), each running several cases of
-``memory_workers/memory_cases.py``:
+``workers/memory_cases.py``:
 
 * DDP: ``auto_micro_batch`` with an out-of-memory error injected on ONE rank only (every rank must split together,
   nothing may hang, the size found is kept for later steps, and out of memory on one sample is a clear error on
@@ -13,7 +13,7 @@ One launch per backend (process start-up is most of the cost), each running seve
   there (a rank that fails mid-window, or a gradient reduced while it is produced, cannot be handled).
 
 Tolerance: relative L2 difference 1e-5 of the parameter update, against the float64 full-batch reference
-(:mod:`hf_gradacc.reference`) and against the plain run.
+(:mod:`hf_gradacc.testing.reference`) and against the plain run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.distributed
 TOLERANCE = 1e-5
 NPROC = 2
 LAUNCH_TIMEOUT_S = 300
-WORKER = Path(__file__).parent / "memory_workers" / "memory_cases.py"
+WORKER = Path(__file__).parent / "workers" / "memory_cases.py"
 # as in the worker
 AUTO_ROWS_PER_STEP = 4 * 2  # rows per rank per optimizer step of the auto_micro_batch cases (bs 4 x GA 2)
 GA = 4

@@ -2,7 +2,7 @@
 hooks and ``trainer.grads``, on 2 CPU ranks (gloo) under DDP, DeepSpeed ZeRO-1/2/3 and FSDP2; and the VAE example
 launched as users launch it.
 
-One launch per backend runs every case of that backend (``mb_workers/mb_cases.py``): DDP and FSDP2 through
+One launch per backend runs every case of that backend (``workers/multi_backward_cases.py``): DDP and FSDP2 through
 ``torchrun``, DeepSpeed through ``accelerate launch --config_file examples/accelerate_configs/zero<N>_cpu.yaml``
 with ``HF_GRADACC_CPU_DISTRIBUTED=1``. Each case trains two optimizer steps of per-device batch 2 x GA 4 x 2 ranks
 (mixed lengths, heavy padding) with SGD(lr=1); the loss is a token cross-entropy over the window's TOKENS plus a
@@ -26,13 +26,13 @@ from .launcher import run_accelerate, run_workers
 pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).resolve().parent / "mb_workers" / "mb_cases.py"
+WORKER = Path(__file__).resolve().parent / "workers" / "multi_backward_cases.py"
 CONFIGS = REPO / "examples" / "accelerate_configs"
 VAE_EXAMPLE = REPO / "examples" / "vae_adaptive_loss.py"
 TOLERANCE = 1e-5
 NPROC = 2
-NUM_WINDOWS = 2  # optimizer steps per case (mb_cases.NUM_WINDOWS)
-GA = 4  # micro-batches per optimizer step (mb_cases.GA)
+NUM_WINDOWS = 2  # optimizer steps per case (multi_backward_cases.NUM_WINDOWS)
+GA = 4  # micro-batches per optimizer step (multi_backward_cases.GA)
 LAUNCH_TIMEOUT_S = 300.0
 
 BACKENDS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")

@@ -7,8 +7,8 @@ import torch
 from transformers import Trainer
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
-from hf_gradacc.check import compare_with_reference, one_step_args, one_step_update
-from hf_gradacc.tiny import build_tiny_model, make_samples
+from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
+from hf_gradacc.testing.tiny import build_tiny_model, make_samples
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,9 +16,10 @@ import pytest
 import torch
 import transformers
 
-from hf_gradacc import cli
-from hf_gradacc.cli import main
-from hf_gradacc.tiny import TASKS
+from hf_gradacc.commands import check as check_command
+from hf_gradacc.commands import hf_gradacc_cli as cli
+from hf_gradacc.commands.hf_gradacc_cli import main
+from hf_gradacc.testing.tiny import TASKS
 
 TOLERANCE = 1e-5
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +133,7 @@ def test_synthetic_samples_stay_within_model_vocab_and_labels(task):
     config = transformers.BertConfig(vocab_size=9, num_labels=5, pad_token_id=4, max_position_embeddings=16)
     model = torch.nn.Module()
     model.config = config
-    samples = cli._synthetic_samples(task, 12, 0, model)
+    samples = check_command._synthetic_samples(task, 12, 0, model)
     assert len(samples) == 12
     assert {len(s["input_ids"]) for s in samples} != {len(samples[0]["input_ids"])}  # still mixed lengths
     for s in samples:
@@ -238,10 +239,10 @@ def test_warns_when_accelerate_started_one_process(monkeypatch, capsys):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
-    cli._warn_if_launch_fell_back_to_one_process()
+    check_command._warn_if_launch_fell_back_to_one_process()
     assert "running as ONE process" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cli._warn_if_launch_fell_back_to_one_process()
+    check_command._warn_if_launch_fell_back_to_one_process()
     assert capsys.readouterr().err == ""
 
 
@@ -265,7 +266,7 @@ def test_python_dash_m(tmp_path):
 
 
 def test_bench_subcommand_is_wired(capsys):
-    from hf_gradacc.cli import main
+    from hf_gradacc.commands.hf_gradacc_cli import main
 
     assert main(["bench", "--help"]) == 0
     assert "--max-tokens" in capsys.readouterr().out
@@ -299,7 +300,8 @@ def test_console_main_exits_hard_after_a_gloo_group(monkeypatch):
     ],
 )
 def test_check_exit_status_of_trainer_errors(monkeypatch, capsys, error, status):
-    from hf_gradacc import check, errors
+    from hf_gradacc import errors
+    from hf_gradacc.testing import one_step as check
 
     def fail(*args, **kwargs):
         raise getattr(errors, error)("`gradient_accumulation_steps` (3) disagrees with the DeepSpeed config (4)")

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from transformers import Trainer
 
 from hf_gradacc import IGNORE_INDEX, GradAccConfig, GradAccTrainer, LossTerm
-from hf_gradacc.check import compare_with_reference, one_step_args, one_step_update
-from hf_gradacc.reference import compare, full_batch_loss, reference_gradients
-from hf_gradacc.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
+from hf_gradacc.testing.reference import compare, full_batch_loss, reference_gradients
+from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 
 TOLERANCE = 1e-5
 BATCH_SIZE, GA = 2, 4

@@ -17,8 +17,8 @@ from hf_gradacc import (
     GradAccTrainer,
     LossTerm,
 )
-from hf_gradacc.check import compare_with_reference, one_step_args, one_step_update
-from hf_gradacc.tiny import NUM_LABELS, VOCAB_SIZE, PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
+from hf_gradacc.testing.tiny import NUM_LABELS, VOCAB_SIZE, PaddingCollator, build_tiny_model, make_samples
 
 BATCH_SIZE, GA = 2, 4
 

@@ -10,8 +10,8 @@ import torch
 from transformers import Trainer
 
 from hf_gradacc import GradAccTrainer
-from hf_gradacc.reference import full_batch_loss
-from hf_gradacc.tiny import TASKS, ListDataset, PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.reference import full_batch_loss
+from hf_gradacc.testing.tiny import TASKS, ListDataset, PaddingCollator, build_tiny_model, make_samples
 
 NUM_EVAL = 6
 

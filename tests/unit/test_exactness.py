@@ -16,9 +16,9 @@ import torch
 from transformers import LlamaForCausalLM, Trainer
 
 from hf_gradacc import GradAccTrainer
-from hf_gradacc.check import compare_with_reference, one_step_args, one_step_update
-from hf_gradacc.reference import Comparison
-from hf_gradacc.tiny import TASKS, build_tiny_model, make_samples
+from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
+from hf_gradacc.testing.reference import Comparison
+from hf_gradacc.testing.tiny import TASKS, build_tiny_model, make_samples
 
 TOLERANCE = 1e-5
 BATCH_SIZE, GA = 2, 4

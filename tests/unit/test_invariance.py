@@ -13,7 +13,7 @@ import torch
 from transformers import Trainer
 
 from hf_gradacc import GradAccTrainer
-from hf_gradacc.tiny import ListDataset, build_tiny_model, make_samples
+from hf_gradacc.testing.tiny import ListDataset, build_tiny_model, make_samples
 
 TOLERANCE = 1e-5
 STEPS, WINDOW = 3, 8

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hf_gradacc import GradAccTrainer
-from hf_gradacc.check import one_step_args, one_step_update
-from hf_gradacc.reference import compare, full_batch_loss, reference_gradients
-from hf_gradacc.tiny import TASKS, PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.one_step import one_step_args, one_step_update
+from hf_gradacc.testing.reference import compare, full_batch_loss, reference_gradients
+from hf_gradacc.testing.tiny import TASKS, PaddingCollator, build_tiny_model, make_samples
 
 TOLERANCE = 1e-5
 BATCH_SIZE, GA = 2, 4

@@ -8,16 +8,24 @@ import hf_gradacc
 
 EXPECTED_ALL = [
     "IGNORE_INDEX",
+    "GradAccArguments",
     "GradAccConfig",
     "GradAccConfigError",
     "GradAccDataError",
     "GradAccError",
     "GradAccLossError",
+    "GradAccMixin",
+    "GradAccSeq2SeqConfig",
+    "GradAccSeq2SeqTrainer",
     "GradAccTrainer",
+    "GradAccUsageError",
+    "GradientsNotReadyError",
     "LossTerm",
     "UnsupportedBackendError",
     "__version__",
+    "gradacc_config_class",
 ]
+PUBLIC_CLASSES = [n for n in EXPECTED_ALL if n[0].isupper() and not n.endswith("Error") and n != "IGNORE_INDEX"]
 
 
 def test_all_is_frozen() -> None:
@@ -27,13 +35,13 @@ def test_all_is_frozen() -> None:
         assert hasattr(hf_gradacc, name), name
 
 
-@pytest.mark.parametrize("name", ["GradAccTrainer", "GradAccConfig", "LossTerm"])
+@pytest.mark.parametrize("name", [*PUBLIC_CLASSES, "gradacc_config_class"])
 def test_public_class_docstring_has_example(name: str) -> None:
     doc = getattr(hf_gradacc, name).__doc__
     assert doc and "Example" in doc, f"{name} docstring lacks an `Example:` section"
 
 
 def test_errors_share_one_base() -> None:
-    for name in ("GradAccConfigError", "GradAccDataError", "GradAccLossError", "UnsupportedBackendError"):
+    for name in [n for n in EXPECTED_ALL if n.endswith("Error")]:
         assert issubclass(getattr(hf_gradacc, name), hf_gradacc.GradAccError)
     assert hf_gradacc.IGNORE_INDEX == -100

@@ -13,9 +13,9 @@ from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import SequentialSampler
 
 from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccTrainer
-from hf_gradacc.check import compare_with_reference, one_step_args, one_step_update
-from hf_gradacc.regroup import WindowRegroupBatchSampler, find_regroup_sampler, sample_lengths, stock_windows
-from hf_gradacc.tiny import ListDataset, ListIterableDataset, PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.data import WindowRegroupBatchSampler, find_regroup_sampler, sample_lengths, stock_windows
+from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
+from hf_gradacc.testing.tiny import ListDataset, ListIterableDataset, PaddingCollator, build_tiny_model, make_samples
 
 TOL = 1e-5
 
@@ -200,10 +200,7 @@ def test_iterable_dataset_warns_once_and_trains_exactly(helpers, caplog):
         weight_decay=0.0,
         regroup_micro_batches=True,
     )
-    with caplog.at_level(logging.WARNING, logger="hf_gradacc.regroup"):
-        import hf_gradacc.regroup as regroup
-
-        regroup._warned.discard("iterable")
+    with caplog.at_level(logging.WARNING, logger="hf_gradacc.data"):
         update, trainer = one_step_update(
             GradAccTrainer, model, samples, args, train_dataset=ListIterableDataset(samples)
         )
@@ -349,7 +346,7 @@ def test_resume_mid_epoch_with_a_token_budget_replays_the_same_steps(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- the benchmark
 def test_bench_runs_interleaved_and_reports_exact_updates():
-    from hf_gradacc.bench import BenchSettings, format_table, run_benchmark
+    from hf_gradacc.testing.benchmark import BenchSettings, format_table, run_benchmark
 
     settings = BenchSettings(
         hidden_size=32,
@@ -380,10 +377,10 @@ def test_bench_cli_parser_and_gpu_script_without_cuda(capsys):
     import importlib.util
     from pathlib import Path
 
-    from hf_gradacc import bench
+    from hf_gradacc.commands import bench
 
     parser = argparse.ArgumentParser(prog="hf-gradacc")
-    bench.add_parser(parser.add_subparsers(dest="command"))
+    bench.bench_command_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "--steps", "3", "--datasets", "equal", "--trainers", "stock,regroup"])
     settings = bench.settings_from_args(args)
     assert (settings.num_steps, settings.datasets, settings.trainers) == (3, ("equal",), ("stock", "regroup"))

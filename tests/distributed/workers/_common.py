@@ -1,13 +1,17 @@
-"""Helpers shared by the worker scripts: rank info and JSON results for the launcher to read back."""
+"""Helpers shared by the worker scripts: rank info, JSON results for the launcher to read back, and the recorders
+the cases use (warnings, and the collectives each backend runs)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
+
+from transformers import TrainerCallback
 
 OUT_DIR_ENV = "HF_GRADACC_TEST_OUT"  # the launcher (tests/distributed/launcher.py) sets it
 
@@ -56,9 +60,132 @@ def finish_worker(status: int = 0) -> NoReturn:
     and then on a loaded machine, after every result was written. ``finish_distributed``'s short sleep makes that
     rare; skipping finalisation makes it impossible. Every result file is written before this is called.
     """
-    from hf_gradacc.backends import finish_distributed
+    from hf_gradacc.distributed import finish_distributed
 
     finish_distributed()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+# ---------------------------------------------------------------------------------------------- recorders
+class WarningRecorder(logging.Handler):
+    """Records the warnings of the ``hf_gradacc`` loggers while it is entered (or added as a handler)."""
+
+    def __init__(self, logger_name: str = "hf_gradacc") -> None:
+        super().__init__(level=logging.WARNING)
+        self.logger_name = logger_name
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> WarningRecorder:
+        logging.getLogger(self.logger_name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logging.getLogger(self.logger_name).removeHandler(self)
+
+
+class DDPCommHookCounter(TrainerCallback):
+    """A `TrainerCallback` recorder of every bucket all-reduce of the DDP reducer: a comm hook on the
+    wrapped model notes the optimizer step, the running micro-batch (``trainer.current_window.index``), the bucket
+    and its size. Add it to the trainer's callbacks and ``bind`` it to the trainer."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.calls: list[dict[str, Any]] = []
+        self.registered_on: str | None = None
+
+    def bind(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        wrapped = self.trainer.model_wrapped  # kwargs["model"] is the unwrapped model: no comm hooks there
+        self.registered_on = type(wrapped).__name__
+        wrapped.register_comm_hook(self, _counting_allreduce_hook)
+
+
+def _counting_allreduce_hook(counter, bucket):  # no annotations: DDP checks them, and they are strings here
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    window = counter.trainer.current_window
+    counter.calls.append(
+        {
+            "step": counter.trainer.state.global_step,
+            "micro_batch": None if window is None else window.index,
+            "bucket": bucket.index(),
+            "numel": bucket.buffer().numel(),
+        }
+    )
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+class ZeroReductionCounter:
+    """Counts the DeepSpeed ZeRO optimizer's gradient reduction calls (``calls``).
+
+    ZeRO-1/2 reduce a bucket in ``average_tensor`` (or ``buffered_reduce_fallback`` without contiguous
+    gradients); ZeRO-3 in ``__avg_scatter_grads`` / ``__avg_scatter_contiguous_grads``. The wrappers are instance
+    attributes, so DeepSpeed's own ``self.<method>(...)`` calls go through them.
+    """
+
+    METHODS = (
+        "average_tensor",
+        "buffered_reduce_fallback",
+        "_buffered_reduce_fallback_preserving_fp32",
+        "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+        "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads",
+    )
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.wrapped: list[str] = []
+
+    def install(self, zero_optimizer: Any) -> None:
+        import torch
+
+        for method in self.METHODS:
+            original = getattr(zero_optimizer, method, None)
+            if original is None:
+                continue
+
+            def counted(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                tensor = args[0] if args else None
+                if not (torch.is_tensor(tensor) and tensor.numel() == 0):  # an empty bucket is no reduction
+                    self.calls += 1
+                return _original(*args, **kwargs)
+
+            setattr(zero_optimizer, method, counted)
+            self.wrapped.append(method)
+
+
+class CollectiveCounter:
+    """Counts the ``torch.distributed`` reduce-scatter and all-reduce calls made while it is entered (FSDP2 looks
+    these functions up per call)."""
+
+    FUNCTIONS = (("reduce_scatter", "reduce_scatter_single"), ("all_reduce", "all_reduce"))
+
+    def __init__(self) -> None:
+        self.counts = {key: 0 for key, _ in self.FUNCTIONS}
+        self._originals: dict[str, Any] = {}
+
+    def __enter__(self) -> CollectiveCounter:
+        import torch.distributed as dist
+
+        for key, fn_name in self.FUNCTIONS:
+            original = getattr(dist, fn_name)
+            self._originals[fn_name] = original
+
+            def wrapped(*args: Any, _key: str = key, _original: Any = original, **kwargs: Any) -> Any:
+                self.counts[_key] += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, fn_name, wrapped)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        for fn_name, original in self._originals.items():
+            setattr(dist, fn_name, original)

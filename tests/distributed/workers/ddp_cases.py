@@ -26,15 +26,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import finish_worker, rank, world_size, write_result
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from _common import DDPCommHookCounter, WarningRecorder, finish_worker, rank, world_size, write_result
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainerCallback
 
 from hf_gradacc import IGNORE_INDEX, GradAccConfig, GradAccTrainer
-from hf_gradacc.check import one_step_args, one_step_update
-from hf_gradacc.reference import compare, full_batch_loss, reference_gradients
-from hf_gradacc.tiny import PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.one_step import one_step_args, one_step_update
+from hf_gradacc.testing.reference import compare, full_batch_loss, reference_gradients
+from hf_gradacc.testing.tiny import PaddingCollator, build_tiny_model, make_samples
 
 BS, GA = 2, 4
 W = world_size()
@@ -62,13 +61,20 @@ class ProbeTrainer(SequentialShardMixin, GradAccTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.windows: list[dict[str, Any]] = []
+        self.add_callback(_WindowRecorder(self.windows))
         for callback in self.callback_handler.callbacks:
             if hasattr(callback, "bind"):
                 callback.bind(self)
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
-        w = self._window
+
+class _WindowRecorder(TrainerCallback):
+    """Records every optimizer step's counts (the ``on_window_counted`` event of hf_gradacc)."""
+
+    def __init__(self, windows: list[dict[str, Any]]) -> None:
+        self.windows = windows
+
+    def on_window_counted(self, args, state, control, window=None, **kwargs):
+        w = window.counts
         self.windows.append(
             {
                 "micro_batch_tokens": [mb.num_tokens for mb in w.micro_batches],
@@ -80,12 +86,6 @@ class ProbeTrainer(SequentialShardMixin, GradAccTrainer):
                 "num_micro_batches_per_rank": list(w.num_micro_batches_per_rank),
             }
         )
-        return batches, count
-
-    @property
-    def position(self) -> tuple[int, int | None]:
-        """(global_step, micro_batch_index); the index is None outside a micro-batch's forward/backward."""
-        return self.state.global_step, self._micro_batch_index
 
 
 class SequentialGradAccTrainer(SequentialShardMixin, GradAccTrainer):
@@ -97,31 +97,6 @@ class CustomStepTrainer(SequentialShardMixin, GradAccTrainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         return super().training_step(model, inputs, num_items_in_batch)
-
-
-class CommHookCounter(TrainerCallback):
-    """Registers a DDP comm hook on the wrapped model that records every bucket reduction it performs."""
-
-    def __init__(self) -> None:
-        self.trainer: ProbeTrainer | None = None
-        self.calls: list[dict[str, Any]] = []
-        self.registered_on: str | None = None
-
-    def bind(self, trainer: ProbeTrainer) -> None:
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        wrapped = self.trainer.model_wrapped  # kwargs["model"] is the unwrapped model: no comm hooks there
-        self.registered_on = type(wrapped).__name__
-        wrapped.register_comm_hook(self, _counting_allreduce_hook)
-
-
-def _counting_allreduce_hook(counter, bucket):  # no annotations: DDP checks them, and they are strings here
-    step, micro_batch = counter.trainer.position
-    counter.calls.append(
-        {"step": step, "micro_batch": micro_batch, "bucket": bucket.index(), "numel": bucket.buffer().numel()}
-    )
-    return default_hooks.allreduce_hook(None, bucket)
 
 
 class ParamsAtFirstStep(TrainerCallback):
@@ -139,15 +114,6 @@ class ParamsAtFirstStep(TrainerCallback):
             self.max_change = max(
                 float((p.detach() - self.initial[n]).abs().max()) for n, p in model.named_parameters()
             )
-
-
-class WarningRecorder(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(level=logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -355,7 +321,7 @@ def case_skip_window() -> dict[str, Any]:
 
 def case_comm_hook() -> dict[str, Any]:
     """Two windows of GA micro-batches; a comm hook records every bucket all-reduce of the DDP reducer."""
-    counter = CommHookCounter()
+    counter = DDPCommHookCounter()
     samples = make_samples("causal_lm", BS * GA * W * 2, seed=9)
     gradacc, _ = train_and_measure(
         ProbeTrainer,

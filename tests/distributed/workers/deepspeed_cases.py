@@ -1,8 +1,8 @@
 """One `accelerate launch` rank of the DeepSpeed tests: runs a list of one-step cases on CPU (gloo).
 
     HF_GRADACC_CPU_DISTRIBUTED=1 accelerate launch --config_file examples/accelerate_configs/zero2_cpu.yaml \
-        tests/distributed/ds_workers/ds_cases.py --cases '[{"name": "a", "task": "causal_lm"}]'
-    torchrun --nproc_per_node 2 tests/distributed/ds_workers/ds_cases.py --cases '[...]' \
+        tests/distributed/workers/deepspeed_cases.py --cases '[{"name": "a", "task": "causal_lm"}]'
+    torchrun --nproc_per_node 2 tests/distributed/workers/deepspeed_cases.py --cases '[...]' \
         --deepspeed-config '{"zero_optimization": {"stage": 3}, ...}'
 
 The ZeRO stage comes from the accelerate config, or from ``--deepspeed-config`` (then passed to
@@ -39,10 +39,10 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_gradacc import GradAccConfig, GradAccTrainer, LossTerm
-from hf_gradacc.check import one_step_args
-from hf_gradacc.reference import compare, reference_gradients
-from hf_gradacc.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
-from tests.distributed.workers._common import finish_worker, rank, world_size, write_result
+from hf_gradacc.testing.one_step import one_step_args
+from hf_gradacc.testing.reference import compare, reference_gradients
+from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+from tests.distributed.workers._common import ZeroReductionCounter, finish_worker, rank, world_size, write_result
 
 PER_DEVICE_BATCH = 2
 GRAD_ACC = 4
@@ -80,55 +80,29 @@ class GradReader(TrainerCallback):
                 self.grads[name] = grad.detach().float().cpu().clone() if grad is not None else None
         backend = getattr(self.trainer, "backend", None)
         if backend is not None:
-            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-            self.backend_norm = float(backend.grad_sq_norms(named).sum().sqrt())
+            params = [p for p in module.parameters() if p.requires_grad]
+            self.backend_norm = float(backend.grad_sq_norms(params).sum().sqrt())
 
 
 class ReductionCounter(TrainerCallback):
-    """Counts the ZeRO optimizer's gradient reduction calls, per micro-batch of the (single) optimizer step.
-
-    ZeRO-1/2 reduce a bucket in ``average_tensor`` (or ``buffered_reduce_fallback`` without contiguous
-    gradients); ZeRO-3 in ``__avg_scatter_grads`` / ``__avg_scatter_contiguous_grads``. The wrappers are instance
-    attributes, so DeepSpeed's own ``self.<method>(...)`` calls go through them.
-    """
-
-    METHODS = (
-        "average_tensor",
-        "buffered_reduce_fallback",
-        "_buffered_reduce_fallback_preserving_fp32",
-        "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
-        "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads",
-    )
+    """The ZeRO optimizer's gradient reductions (`ZeroReductionCounter`) per micro-batch of the optimizer step."""
 
     def __init__(self) -> None:
         self.trainer: Trainer | None = None
-        self.calls = 0
+        self.counter = ZeroReductionCounter()
         self.per_micro_batch: list[int] = []
-        self.wrapped: list[str] = []
 
-    def _wrap(self, optimizer: Any, method: str) -> None:
-        original = getattr(optimizer, method, None)
-        if original is None:
-            return
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            tensor = args[0] if args else None
-            if not (torch.is_tensor(tensor) and tensor.numel() == 0):  # an empty bucket is no reduction
-                self.calls += 1
-            return original(*args, **kwargs)
-
-        setattr(optimizer, method, counted)
-        self.wrapped.append(method)
+    @property
+    def wrapped(self) -> list[str]:
+        return self.counter.wrapped
 
     def on_train_begin(self, args, state, control, **kwargs):
         assert self.trainer is not None
-        optimizer = self.trainer.model_wrapped.optimizer
-        for method in self.METHODS:
-            self._wrap(optimizer, method)
+        self.counter.install(self.trainer.model_wrapped.optimizer)
 
     def _snapshot(self) -> None:
-        self.per_micro_batch.append(self.calls)
-        self.calls = 0
+        self.per_micro_batch.append(self.counter.calls)
+        self.counter.calls = 0
 
     def on_substep_end(self, args, state, control, **kwargs):
         self._snapshot()
@@ -373,7 +347,7 @@ def main() -> None:
             raise
         write_result(case["name"], payload)
         if rank() == 0:
-            print(f"[ds_cases] {case['name']}: {json.dumps(payload, default=str)[:600]}", flush=True)
+            print(f"[deepspeed_cases] {case['name']}: {json.dumps(payload, default=str)[:600]}", flush=True)
     finish_worker()
 
 

@@ -2,9 +2,9 @@
 accumulated-gradient hooks and ``trainer.grads``, on DDP, DeepSpeed ZeRO-1/2/3 or FSDP2 (2 CPU ranks, gloo).
 
     # started by tests/distributed/test_multi_backward.py
-    torchrun --nproc_per_node 2 mb_cases.py --backend ddp --cases '[{"name": "per_term", "backward_per_term": true}]'
+    torchrun --nproc_per_node 2 multi_backward_cases.py --backend ddp --cases '[{"name": "per_term", "backward_per_term": true}]'
     HF_GRADACC_CPU_DISTRIBUTED=1 accelerate launch --config_file examples/accelerate_configs/zero2_cpu.yaml \
-        mb_cases.py --backend deepspeed --cases '[...]'
+        multi_backward_cases.py --backend deepspeed --cases '[...]'
 
 Every case trains ``NUM_WINDOWS`` optimizer steps with SGD(lr=1) (``optim="sgd"``: DeepSpeed and FSDP2 build the
 optimizer themselves) on a dataset of exactly that many windows, taken in order, so that window ``k`` holds
@@ -44,10 +44,11 @@ from torch.utils.data import SequentialSampler
 
 from hf_gradacc import GradAccConfig, GradAccTrainer, LossTerm
 from hf_gradacc.callbacks import GradAccCallback
-from hf_gradacc.check import full_parameters, one_step_args
-from hf_gradacc.reference import compare
-from hf_gradacc.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.one_step import full_parameters, one_step_args
+from hf_gradacc.testing.reference import compare
+from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 from tests.distributed.workers._common import (  # the repository root is on PYTHONPATH
+    WarningRecorder,
     finish_worker,
     rank,
     world_size,
@@ -141,15 +142,15 @@ class Recorder(GradAccCallback):
         original = backend.backward
         original_step = backend.optimizer_step
 
-        def counted(loss, *, model, is_final, **kwargs):
+        def counted(loss, *, is_final, **kwargs):
             passes = self.backward_passes.setdefault(trainer.state.global_step, [])
             passes.append({"is_final": bool(is_final), "retain_graph": bool(kwargs.get("retain_graph", False))})
-            return original(loss, model=model, is_final=is_final, **kwargs)
+            return original(loss, is_final=is_final, **kwargs)
 
-        def stepping(model, optimizer):
+        def stepping(optimizer):
             self.in_optimizer_step = True
             try:
-                return original_step(model, optimizer)
+                return original_step(optimizer)
             finally:
                 self.in_optimizer_step = False
                 self.backend_optimizer_steps += 1
@@ -189,15 +190,6 @@ class Recorder(GradAccCallback):
         self.params_after[state.global_step - 1] = {
             n: p.detach().float().cpu().clone() for n, p in full_parameters(self.trainer).items()
         }
-
-
-class WarningRecorder(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(level=logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 # ---------------------------------------------------------------------------------------------- one case
@@ -354,7 +346,7 @@ def main() -> None:
             raise
         write_result(case["name"], payload)
         if rank() == 0:
-            print(f"[mb_cases] {opts.backend} {case['name']}: {json.dumps(payload['steps'])[:800]}", flush=True)
+            print(f"[multi_backward_cases] {opts.backend} {case['name']}: {json.dumps(payload['steps'])[:800]}", flush=True)
     finish_worker()
 
 

@@ -1,11 +1,11 @@
 """One rank of the FSDP2 tests: runs a list of one-step cases on CPU (gloo); each rank writes one JSON per case.
 
-    python fsdp2_worker.py --cases '[{"name": "a", "task": "causal_lm"}]'   # started by tests/distributed/launcher.py
+    python fsdp2_cases.py --cases '[{"name": "a", "task": "causal_lm"}]'   # started by tests/distributed/launcher.py
 
 Each trainer case trains ONE optimizer step with SGD(lr=1) on a dataset of exactly one window (all ranks together),
 so the parameter update is minus the accumulated gradient, and rank 0 compares it with the float64 full-batch
 reference over every rank's samples. The optimizer comes from ``optim="sgd"``: the Trainer refuses
-``optimizers=`` under FSDP, so `hf_gradacc.check.one_step_update` cannot be used here. Under FSDP2 the parameters
+``optimizers=`` under FSDP, so `hf_gradacc.testing.one_step.one_step_update` cannot be used here. Under FSDP2 the parameters
 and gradients are DTensors: they are gathered with ``full_tensor()`` (a collective, on every rank in the same
 order) before the comparison.
 
@@ -39,11 +39,11 @@ from torch.distributed.tensor import DTensor
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
-from hf_gradacc.check import one_step_args
 from hf_gradacc.patches.fsdp_cpu import enable_fsdp_on_cpu
-from hf_gradacc.reference import compare, reference_gradients
-from hf_gradacc.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
-from tests.distributed.workers._common import finish_worker, write_result
+from hf_gradacc.testing.one_step import one_step_args
+from hf_gradacc.testing.reference import compare, reference_gradients
+from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+from tests.distributed.workers._common import CollectiveCounter, finish_worker, write_result
 
 PER_DEVICE_BATCH = 2
 GRAD_ACC = 4
@@ -59,34 +59,10 @@ def comparison(update: dict[str, torch.Tensor], reference: dict[str, torch.Tenso
     return {"relative_error": c.relative_error, "cosine": c.cosine, "norm_ratio": c.norm_ratio}
 
 
-class CommCounter:
-    """Counts FSDP2's reduce-scatter and all-reduce calls (torch.distributed functions FSDP2 looks up per call)."""
-
-    def __init__(self) -> None:
-        self.counts = {"reduce_scatter": 0, "all_reduce": 0}
-        self._originals: dict[str, Any] = {}
-
-    def __enter__(self) -> CommCounter:
-        for key, fn_name in (("reduce_scatter", "reduce_scatter_single"), ("all_reduce", "all_reduce")):
-            original = getattr(dist, fn_name)
-            self._originals[fn_name] = original
-
-            def wrapped(*args: Any, _key: str = key, _original: Any = original, **kwargs: Any) -> Any:
-                self.counts[_key] += 1
-                return _original(*args, **kwargs)
-
-            setattr(dist, fn_name, wrapped)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for fn_name, original in self._originals.items():
-            setattr(dist, fn_name, original)
-
-
 class ProbeCallback(TrainerCallback):
     """Per-micro-batch comm counts (differences between hooks) and the accumulated gradient before the step."""
 
-    def __init__(self, counter: CommCounter) -> None:
+    def __init__(self, counter: CollectiveCounter) -> None:
         self.counter = counter
         self.trainer: Trainer | None = None
         self.per_micro_batch: list[dict[str, int]] = []
@@ -141,7 +117,7 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
     )
     work = copy.deepcopy(model)
     initial = {n: p.detach().clone() for n, p in work.named_parameters() if p.requires_grad}
-    counter = CommCounter()
+    counter = CollectiveCounter()
     probe = ProbeCallback(counter)
     result: dict[str, Any] = {"name": case["name"], "rank": rank}
     records: list[str] = []
@@ -232,6 +208,7 @@ def run_direct_case(case: dict[str, Any], rank: int, world: int) -> dict[str, An
     from torch.distributed.fsdp import fully_shard
 
     from hf_gradacc.backends.fsdp2 import FSDP2Backend
+    from hf_gradacc.config import GradAccSettings
     from hf_gradacc.loss import causal_targets, normalize, token_count, token_cross_entropy_sum
 
     task = "causal_lm"
@@ -252,8 +229,12 @@ def run_direct_case(case: dict[str, Any], rank: int, world: int) -> dict[str, An
     for layer in work.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(work, **kwargs)
-    backend = FSDP2Backend(_Accelerator(world), SimpleNamespace(fsdp_sync=case["fsdp_sync"]))
-    backend.multi_backward = bool(case.get("two_backward"))
+    backend = FSDP2Backend(
+        _Accelerator(world),
+        SimpleNamespace(),
+        GradAccSettings(fsdp_sync=case["fsdp_sync"]),
+        multi_backward=bool(case.get("two_backward")),
+    )
     backend.setup(work, None)
     collate = PaddingCollator()
     n = PER_DEVICE_BATCH * GRAD_ACC
@@ -262,29 +243,29 @@ def run_direct_case(case: dict[str, Any], rank: int, world: int) -> dict[str, An
     count = torch.tensor(float(sum(int(token_count(causal_targets(b["labels"]))) for b in batches)))
     dist.all_reduce(count)
     global_count = int(count)
-    counter = CommCounter()
+    counter = CollectiveCounter()
     per_micro_batch = []
     with counter:
         for i, batch in enumerate(batches):
             before = dict(counter.counts)
             is_last = i == len(batches) - 1
-            with backend.sync_context(work, is_last=is_last):
+            with backend.sync_context(is_last=is_last):
                 logits = work(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 targets = causal_targets(batch["labels"])
                 if case.get("two_backward"):
                     # the micro-batch's loss in two parts through one forward: the first row, then the rest
                     first = normalize(token_cross_entropy_sum(logits[:1], targets[:1]), global_count, world)
                     rest = normalize(token_cross_entropy_sum(logits[1:], targets[1:]), global_count, world)
-                    backend.backward(first, model=work, is_final=False, retain_graph=True)
-                    backend.backward(rest, model=work, is_final=is_last)
+                    backend.backward(first, is_final=False, retain_graph=True)
+                    backend.backward(rest, is_final=is_last)
                 else:
                     loss = normalize(token_cross_entropy_sum(logits, targets), global_count, world)
-                    backend.backward(loss, model=work, is_final=is_last)
+                    backend.backward(loss, is_final=is_last)
             per_micro_batch.append({k: counter.counts[k] - before[k] for k in before})
     named = list(work.named_parameters())
-    grads = {name: backend.full_grad(name, p).detach().clone() for name, p in named}
-    squares = backend.grad_sq_norms(named)
-    norm = float(backend.clip_grad_norm(work, float("inf")))
+    grads = {name: backend.full_grad(p).detach().clone() for name, p in named}
+    squares = backend.grad_sq_norms([p for _, p in named])
+    norm = float(backend.clip_grad_norm(float("inf")))
     result: dict[str, Any] = {"name": case["name"], "rank": rank, "per_micro_batch": per_micro_batch}
     result.update(is_hsdp=backend._hsdp, clip_norm=norm, sq_norm_sum=float(squares.sum()))
     if rank == 0:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import logging
 import os
 import sys
 import time
@@ -40,11 +39,11 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM, TrainerCallback
 
 from hf_gradacc import IGNORE_INDEX, GradAccConfig, GradAccTrainer, LossTerm
-from hf_gradacc.check import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.errors import GradAccDataError
-from hf_gradacc.reference import compare, reference_gradients
-from hf_gradacc.tiny import ListDataset, ListIterableDataset, PaddingCollator, build_tiny_model, make_samples
-from tests.distributed.workers._common import finish_worker, rank, world_size, write_result
+from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
+from hf_gradacc.testing.reference import compare, reference_gradients
+from hf_gradacc.testing.tiny import ListDataset, ListIterableDataset, PaddingCollator, build_tiny_model, make_samples
+from tests.distributed.workers._common import WarningRecorder, finish_worker, rank, world_size, write_result
 
 TASK = "causal_lm"
 W = world_size()
@@ -102,24 +101,6 @@ def unique_ids(samples: list[dict[str, Any]]) -> dict[tuple[int, ...], int]:
     ids = {tuple(s["input_ids"]): k for k, s in enumerate(samples)}
     assert len(ids) == len(samples), "sample ids must be unique (the input ids identify a sample)"
     return ids
-
-
-class WarningRecorder(logging.Handler):
-    """Records the hf_gradacc warnings of one run."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> WarningRecorder:
-        logging.getLogger("hf_gradacc").addHandler(self)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        logging.getLogger("hf_gradacc").removeHandler(self)
 
 
 class Recorder(PaddingCollator):

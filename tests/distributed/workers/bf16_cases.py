@@ -38,9 +38,9 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
-from hf_gradacc.check import full_parameters, one_step_args
-from hf_gradacc.reference import compare, reference_gradients
-from hf_gradacc.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.one_step import full_parameters, one_step_args
+from hf_gradacc.testing.reference import compare, reference_gradients
+from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 from tests.distributed.workers._common import finish_worker, write_result
 
 PER_DEVICE_BATCH = 2

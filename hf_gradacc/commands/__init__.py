@@ -1,0 +1,2 @@
+"""The `hf-gradacc` command line: one module per subcommand (``check``, ``bench``), wired by
+:mod:`.hf_gradacc_cli`."""

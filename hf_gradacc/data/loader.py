@@ -1,0 +1,219 @@
+"""Trainer wiring of the data planners: the training dataloader with regrouped micro-batches, and the number of
+micro-batches of each optimizer step that the training loop reads from it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from transformers.utils import logging
+
+from ..errors import GradAccConfigError
+from .regroup import WindowRegroupBatchSampler, sample_lengths
+
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainingArguments
+
+    from ..config import GradAccSettings
+
+logger = logging.get_logger(__name__)
+
+
+def find_regroup_sampler(dataloader: Any) -> WindowRegroupBatchSampler | None:
+    """The :class:`WindowRegroupBatchSampler` under a (prepared, possibly skipping) dataloader, or None."""
+    node = getattr(dataloader, "batch_sampler", None)
+    for _ in range(6):  # DataLoaderShard -> SkipBatchSampler -> BatchSamplerShard -> ours
+        if isinstance(node, WindowRegroupBatchSampler):
+            return node
+        node = getattr(node, "batch_sampler", None)
+    return None
+
+
+def window_schedule(dataloader: Any, epoch: int) -> tuple[int, ...] | None:
+    """Micro-batches per rank of each window of ``epoch`` when ``dataloader`` regroups, else None (stock)."""
+    sampler = find_regroup_sampler(dataloader)
+    if sampler is None:
+        return None
+    sampler.set_epoch(epoch)
+    return sampler.num_micro_batches_per_window
+
+
+def build_train_dataloader(trainer: Trainer, settings: GradAccSettings) -> DataLoader | None:
+    """The training dataloader of ``trainer`` with regrouped micro-batches, or None when the stock one applies.
+
+    Mirrors `Trainer._get_dataloader` (collator with removed columns, workers, pinning, worker seeding) and passes
+    the result through ``accelerator.prepare``, which shards it over ranks and seeds the base sampler.
+    """
+    args = trainer.args
+    if not settings.regroups or trainer.train_dataset is None:
+        return None
+    dataset = trainer.train_dataset
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        logger.warning_once(
+            "`regroup_micro_batches` / `max_tokens_per_micro_batch` are not applied to an IterableDataset (there is "
+            "no index order to regroup): micro-batches are trained as the dataset yields them, still exactly.",
+        )
+        return None
+    accelerator = trainer.accelerator
+    for flag in ("split_batches", "dispatch_batches"):
+        if getattr(accelerator, flag, False):
+            logger.warning_once(
+                f"`regroup_micro_batches` is not applied with accelerate's `{flag}=True` (each batch is cut into "
+                "equal row slices, which regrouped micro-batches of varying rows cannot be); training continues with "
+                "the stock grouping, exactly.",
+            )
+            return None
+    if accelerator.num_processes > 1 and not accelerator.even_batches:
+        logger.warning_once(
+            "`regroup_micro_batches` is not applied with accelerate's `even_batches=False` (ranks may get different "
+            "numbers of micro-batches); training continues with the stock grouping, exactly.",
+        )
+        return None
+
+    model_input_names = getattr(trainer.processing_class, "model_input_names", None) or ["input_ids"]
+    lengths = sample_lengths(
+        dataset, length_column_name=args.length_column_name, model_input_name=model_input_names[0]
+    )
+    collator = trainer.data_collator
+    try:
+        import datasets
+
+        is_hf_dataset = isinstance(dataset, datasets.Dataset)
+    except ImportError:
+        is_hf_dataset = False
+    if is_hf_dataset:
+        dataset = trainer._remove_unused_columns(dataset, description="Training")
+    else:
+        collator = trainer._get_collator_with_removed_columns(collator, description="Training")
+    base_sampler = trainer._get_train_sampler(dataset)
+    if base_sampler is None or isinstance(base_sampler, BatchSampler) or not hasattr(base_sampler, "__len__"):
+        raise GradAccConfigError(
+            f"`regroup_micro_batches` regroups the order of an index sampler; `_get_train_sampler` returned "
+            f"{type(base_sampler).__name__} (`train_sampling_strategy`={args.train_sampling_strategy!r}). Use "
+            "'random', 'sequential' or 'group_by_length', or set `regroup_micro_batches=False`."
+        )
+    if accelerator.num_processes > 1 and not accelerator.dataloader_config.use_seedable_sampler:
+        logger.warning_once(
+            "`regroup_micro_batches` with `use_seedable_sampler=False`: every rank must draw the same sample order "
+            "for the windows to agree; keep accelerate's default `use_seedable_sampler=True`.",
+        )
+    from transformers.trainer_utils import seed_worker
+
+    batch_sampler = WindowRegroupBatchSampler(
+        base_sampler,
+        lengths,
+        batch_size=trainer._train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        num_processes=accelerator.num_processes,
+        drop_last=args.dataloader_drop_last,
+        even_batches=accelerator.even_batches,
+        max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch,
+    )
+    params: dict[str, Any] = {
+        "batch_sampler": batch_sampler,
+        "collate_fn": collator,
+        "num_workers": args.dataloader_num_workers,
+        "pin_memory": args.dataloader_pin_memory,
+        "persistent_workers": args.dataloader_persistent_workers,
+        "multiprocessing_context": args.dataloader_multiprocessing_context,
+        "prefetch_factor": args.dataloader_prefetch_factor,
+        "in_order": args.dataloader_in_order,
+        "worker_init_fn": partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
+    }
+    dataloader = accelerator.prepare(DataLoader(dataset, **params))
+    shard = getattr(dataloader, "batch_sampler", None)
+    if shard is not batch_sampler and getattr(shard, "batch_sampler", None) is batch_sampler:
+        batch_sampler.num_processes = shard.num_processes  # what accelerate really deals to (device meshes)
+    elif shard is batch_sampler:
+        batch_sampler.num_processes = 1
+    return dataloader
+
+
+def adjust_training_values(dataloader: Any, args: TrainingArguments, values: tuple) -> tuple:
+    """Fix `Trainer.set_initial_training_values` for a regrouping dataloader whose windows hold more than
+    ``gradient_accumulation_steps`` micro-batches (token budget): optimizer steps per epoch are the windows, not
+    ``len(dataloader) / gradient_accumulation_steps``.
+    """
+    sampler = find_regroup_sampler(dataloader)
+    if sampler is None or sampler.max_tokens_per_micro_batch is None:
+        return values
+    num_train_epochs, _, num_examples, num_train_samples, total_batch, steps_in_epoch, max_steps = values
+    num_windows = max(sampler.num_windows, 1)
+    if args.max_steps > 0:
+        num_train_epochs = math.ceil(max_steps / num_windows)
+    else:
+        max_steps = math.ceil(args.num_train_epochs * num_windows)
+    return (num_train_epochs, num_windows, num_examples, num_train_samples, total_batch, steps_in_epoch, max_steps)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpochPlan:
+    """How one epoch's batches split into optimizer steps.
+
+    Attributes:
+        epoch_iterator: the epoch's batches (already past the ones a resumed run trained before its checkpoint).
+        num_batches: micro-batches per rank of each remaining optimizer step, in order.
+        steps_in_epoch: micro-batches per rank in the whole epoch.
+        step: index of the last micro-batch already trained in this epoch (-1: none).
+        resumed_mid_epoch: batches were skipped; the RNG state of the checkpoint is restored after the next fetch.
+    """
+
+    epoch_iterator: Iterator[Any]
+    num_batches: list[int]
+    steps_in_epoch: int
+    step: int
+    resumed_mid_epoch: bool
+
+
+def plan_epoch(
+    train_dataloader: Any,
+    epoch: int,
+    *,
+    gradient_accumulation_steps: int,
+    steps_in_epoch: int,
+    num_update_steps_per_epoch: int,
+    steps_trained_in_current_epoch: int = 0,
+) -> EpochPlan:
+    """The optimizer steps of ``epoch``: ``gradient_accumulation_steps`` micro-batches each (the last one short), or
+    the regrouping sampler's schedule; with ``steps_trained_in_current_epoch`` > 0 (a resumed run) the trained steps
+    are skipped whole.
+
+    Example:
+        ```python
+        plan = plan_epoch(loader, 0, gradient_accumulation_steps=4, steps_in_epoch=10, num_update_steps_per_epoch=3)
+        assert plan.num_batches == [4, 4, 2]
+        ```
+    """
+    from accelerate.data_loader import skip_first_batches
+
+    gas = gradient_accumulation_steps
+    schedule = window_schedule(train_dataloader, epoch)
+    if schedule is not None:
+        steps_in_epoch = max(sum(schedule), 1)
+        num_batches = [schedule[k] if k < len(schedule) else 0 for k in range(num_update_steps_per_epoch)]
+    else:
+        remainder = steps_in_epoch % gas or gas
+        num_batches = [gas] * (num_update_steps_per_epoch - 1) + [remainder] * (num_update_steps_per_epoch > 0)
+    skipped_steps = steps_trained_in_current_epoch // gas
+    skipped_batches = 0
+    if steps_trained_in_current_epoch > 0:
+        skipped_batches = sum(num_batches[:skipped_steps]) if schedule is not None else steps_trained_in_current_epoch
+        train_dataloader = skip_first_batches(train_dataloader, skipped_batches)
+        num_batches = num_batches[skipped_steps:]
+    if hasattr(train_dataloader, "set_epoch"):
+        train_dataloader.set_epoch(epoch)
+    # `DataLoaderShard.set_epoch` does not forward to a batch sampler wrapped in `BatchSamplerShard`: reach it here.
+    underlying_sampler = getattr(getattr(train_dataloader, "batch_sampler", None), "batch_sampler", None)
+    if hasattr(underlying_sampler, "set_epoch"):
+        underlying_sampler.set_epoch(epoch)
+    return EpochPlan(
+        epoch_iterator=iter(train_dataloader),
+        num_batches=num_batches,
+        steps_in_epoch=steps_in_epoch,
+        step=skipped_batches - 1,
+        resumed_mid_epoch=steps_trained_in_current_epoch > 0,
+    )

@@ -1,0 +1,37 @@
+"""Surviving out-of-memory without changing the step (``auto_micro_batch``): the same samples, cut smaller."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from .errors import GradAccDataError
+from .window import Window, rows_of
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for a device (or host) out-of-memory error."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def release_memory() -> None:
+    """Free what an aborted micro-batch left behind (its graph and activations are gone once the error unwound)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def halve_rows(window: Window, current: int | None) -> tuple[int, int]:
+    """``(rows before, rows after)``: the cap on rows per micro-batch to retry ``window`` with after an out-of-memory
+    error, half the current cap (or of its largest micro-batch). Raises :class:`~hf_gradacc.GradAccDataError` when
+    one row already ran out of memory."""
+    current = current or max(rows_of(mb) for mb in window.micro_batches)
+    if current <= 1:
+        raise GradAccDataError(
+            "Out of memory on a micro-batch of ONE sample (auto_micro_batch cannot split further). Shorten "
+            "`max_length` / the longest sample, use gradient checkpointing, or a bigger device."
+        )
+    return current, max(1, current // 2)

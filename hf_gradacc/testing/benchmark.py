@@ -1,0 +1,473 @@
+"""`hf-gradacc bench`: the stock `Trainer` against `GradAccTrainer` (plain, regrouped, token budget), in ONE run.
+
+Every trainer trains its own copy of the same model on the same samples in the same order (same seed, so every
+optimizer step holds the same samples). The trainers run side by side, one optimizer step at a time, in turns that
+rotate every round: step ``s`` of every trainer runs within the same few seconds, so machine noise hits them alike,
+and each step time is compared with the stock Trainer's step ``s`` (the median of those pair ratios is reported).
+
+Columns:
+
+* step time ratio: median over timed steps of (trainer's step time / stock step time), pair by pair;
+* total time ratio: sum of timed step times / the stock sum;
+* computed / real tokens: padded tokens the model computed (attention mask size) per real token;
+* peak memory ratio: the largest increase of memory within one step (CPU: resident set size high-water mark, reset
+  before each step; CUDA: ``max_memory_allocated``), over the stock one;
+* reductions / step: DDP gradient reductions (comm-hook calls) per optimizer step; ``n/a`` on one process;
+* update diff: relative L2 difference of the final parameters' change from the plain GradAccTrainer's.
+
+The command line is ``hf-gradacc bench`` (:mod:`hf_gradacc.commands.bench`).
+
+Example:
+    ```python
+    from hf_gradacc.testing.benchmark import BenchSettings, format_table, run_benchmark
+    rows = run_benchmark(BenchSettings(num_steps=3))
+    print(format_table(rows))
+    ```
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import logging
+import math
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DATASETS: tuple[str, ...] = ("equal", "long_tailed")
+TRAINERS: tuple[str, ...] = ("stock", "plain", "regroup", "budget")
+_TRAINER_LABELS = {
+    "stock": "Trainer (stock)",
+    "plain": "GradAccTrainer",
+    "regroup": "GradAccTrainer + regroup",
+    "budget": "GradAccTrainer + token budget",
+}
+_TURN_TIMEOUT_S = 1800.0  # a step that takes longer than this is a hang, not a measurement
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchSettings:
+    """What to measure. The defaults are the CPU scale of the issue: tiny causal LM, bs 8 x GA 8.
+
+    Lengths: ``equal`` samples all have ``equal_length`` tokens; ``long_tailed`` ones are log-normal with median
+    ``median_length`` and shape ``sigma``, clipped to ``[min_length, max_length]``.
+    """
+
+    device: str = "cpu"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    vocab_size: int = 96
+    bf16: bool = False
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 8
+    num_steps: int = 6
+    num_warmup_steps: int = 1
+    equal_length: int = 100
+    median_length: int = 100
+    sigma: float = 1.0
+    min_length: int = 8
+    max_length: int = 1024
+    max_tokens_per_micro_batch: int = 1024
+    learning_rate: float = 1e-4
+    seed: int = 0
+    num_threads: int | None = 1
+    datasets: tuple[str, ...] = DATASETS
+    trainers: tuple[str, ...] = TRAINERS
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchRow:
+    """One trainer on one dataset."""
+
+    dataset: str
+    trainer: str
+    median_step_time_s: float
+    step_time_ratio: float
+    total_time_ratio: float
+    computed_per_real_token: float
+    peak_memory_bytes: int
+    peak_memory_ratio: float
+    reductions_per_step: float | None
+    micro_batches_per_step: float
+    relative_update_difference: float | None
+    step_times_s: tuple[float, ...] = field(default=())
+
+
+# ---------------------------------------------------------------------------------------------- data and model
+def make_bench_samples(settings: BenchSettings, dataset: str, num_samples: int) -> list[dict[str, Any]]:
+    """Causal-LM samples with ``equal`` or ``long_tailed`` lengths; a random prompt prefix of each row is ignored."""
+    if dataset not in DATASETS:
+        raise ValueError(f"`dataset` ({dataset!r}) must be one of {DATASETS}")
+    g = torch.Generator().manual_seed(settings.seed + (0 if dataset == "equal" else 1))
+    samples = []
+    for _ in range(num_samples):
+        if dataset == "equal":
+            length = settings.equal_length
+        else:
+            z = float(torch.randn((), generator=g))
+            length = int(round(settings.median_length * math.exp(settings.sigma * z)))
+            length = min(settings.max_length, max(settings.min_length, length))
+        ids = torch.randint(2, settings.vocab_size, (length,), generator=g).tolist()
+        prompt = int(length * 0.3 * float(torch.rand((), generator=g)))
+        samples.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return samples
+
+
+def build_bench_model(settings: BenchSettings) -> torch.nn.Module:
+    """A randomly initialised Llama causal LM of the requested size (dropout off, positions up to max_length)."""
+    import transformers as tf
+
+    torch.manual_seed(settings.seed)
+    config = tf.LlamaConfig(
+        vocab_size=settings.vocab_size,
+        hidden_size=settings.hidden_size,
+        intermediate_size=2 * settings.hidden_size,
+        num_hidden_layers=settings.num_layers,
+        num_attention_heads=settings.num_heads,
+        num_key_value_heads=max(1, settings.num_heads // 2),
+        max_position_embeddings=max(settings.max_length, settings.equal_length),
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return tf.LlamaForCausalLM(config)
+
+
+# ---------------------------------------------------------------------------------------------- memory probes
+class _MemoryProbe:
+    """Peak memory increase within an interval: CUDA allocator stats, or the process's RSS high-water mark."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.baseline = 0
+        self.available = True
+        if not self.cuda:
+            try:
+                # Fixed thresholds: large tensors are mmap'd and handed back on free, so RSS follows live tensors
+                # instead of what glibc keeps cached (its adaptive threshold would hide a later trainer's peak).
+                libc = ctypes.CDLL("libc.so.6")
+                libc.mallopt(-3, 32 * 1024)  # M_MMAP_THRESHOLD
+                libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+                self._reset_hwm()
+            except OSError:
+                self.available = False
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        raise OSError(f"{key} not in /proc/self/status")
+
+    @staticmethod
+    def _reset_hwm() -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline = torch.cuda.memory_allocated()
+        elif self.available:
+            self._reset_hwm()
+            self.baseline = self._status("VmRSS")
+
+    def peak(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.baseline
+        if not self.available:
+            return 0
+        return self._status("VmHWM") - self.baseline
+
+
+# ---------------------------------------------------------------------------------------------- turns
+class _TokenCounter:
+    """Wraps a collator; counts computed (padded) and real tokens from the attention mask."""
+
+    def __init__(self, collator: Callable) -> None:
+        self.collator = collator
+        self.computed = 0
+        self.real = 0
+        self.micro_batches = 0
+
+    def __call__(self, samples):
+        batch = self.collator(samples)
+        mask = batch["attention_mask"]
+        self.computed += mask.numel()
+        self.real += int(mask.sum())
+        self.micro_batches += 1
+        return batch
+
+
+def _turn_callback(name: str, probe: _MemoryProbe, world_size: int):
+    from transformers import TrainerCallback
+
+    class Turns(TrainerCallback):
+        """Runs its trainer one optimizer step per turn; times each step and its peak memory."""
+
+        def __init__(self) -> None:
+            self.name = name
+            self.ready = threading.Semaphore(0)
+            self.go = threading.Semaphore(0)
+            self.done = threading.Semaphore(0)
+            self.step_times: list[float] = []
+            self.step_peaks: list[int] = []
+            self.reductions = 0
+            self.error: BaseException | None = None
+            self.trainer = None
+            self._t0 = 0.0
+
+        def _wait_turn(self) -> None:
+            if not self.go.acquire(timeout=_TURN_TIMEOUT_S):
+                raise TimeoutError(f"bench: {self.name} waited {_TURN_TIMEOUT_S:.0f}s for its turn")
+            probe.start()
+            self._t0 = time.perf_counter()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            wrapped = getattr(self.trainer, "model_wrapped", None)
+            if world_size > 1 and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                def count(counter, bucket):
+                    counter.reductions += 1
+                    return default_hooks.allreduce_hook(None, bucket)
+
+                wrapped.register_comm_hook(self, count)
+            self.ready.release()
+            self._wait_turn()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if probe.cuda:
+                torch.cuda.synchronize()
+            self.step_times.append(time.perf_counter() - self._t0)
+            self.step_peaks.append(probe.peak())
+            self.done.release()
+            self._wait_turn()
+
+    return Turns()
+
+
+def _run_in_turns(trainers: dict[str, Any], turns: dict[str, Any], num_steps: int) -> None:
+    """Start the trainers one by one (set-up is not concurrent), then grant one step per trainer per round, in an
+    order that rotates each round; at the end let each finish in turn."""
+    names = list(trainers)
+    threads = {}
+
+    def target(name: str) -> None:
+        try:
+            trainers[name].train()
+        except BaseException as err:  # surfaced in the main thread
+            turns[name].error = err
+            turns[name].ready.release()
+            turns[name].done.release()
+
+    def check(name: str) -> None:
+        if turns[name].error is not None:
+            raise RuntimeError(f"bench: the {name} trainer failed") from turns[name].error
+
+    for name in names:
+        threads[name] = threading.Thread(target=target, args=(name,), name=f"bench-{name}", daemon=True)
+        threads[name].start()
+        turns[name].ready.acquire()
+        check(name)
+    for step in range(num_steps):
+        shift = step % len(names)
+        for name in names[shift:] + names[:shift]:
+            turns[name].go.release()
+            if not turns[name].done.acquire(timeout=_TURN_TIMEOUT_S):
+                raise TimeoutError(f"bench: {name} step {step} did not finish in {_TURN_TIMEOUT_S:.0f}s")
+            check(name)
+    for name in names:
+        turns[name].go.release()
+        threads[name].join()
+        check(name)
+
+
+# ---------------------------------------------------------------------------------------------- one dataset
+def _trainer_args(settings: BenchSettings, name: str, output_dir: str, world_size: int):
+    from transformers import TrainingArguments
+
+    from ..config import GradAccConfig
+
+    kwargs: dict[str, Any] = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=settings.per_device_train_batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        max_steps=settings.num_warmup_steps + settings.num_steps,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=settings.seed,
+        data_seed=settings.seed,
+        dataloader_num_workers=0,
+        use_cpu=settings.device == "cpu",
+        bf16=settings.bf16,
+    )
+    if world_size > 1:
+        kwargs["ddp_backend"] = "gloo" if settings.device == "cpu" else "nccl"
+    if name == "stock":
+        return TrainingArguments(**kwargs)
+    if name == "regroup":
+        kwargs["regroup_micro_batches"] = True
+    elif name == "budget":
+        kwargs["max_tokens_per_micro_batch"] = settings.max_tokens_per_micro_batch
+    return GradAccConfig(**kwargs)
+
+
+def _flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().double().reshape(-1).cpu() for _, p in sorted(model.named_parameters())])
+
+
+def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
+    """Measure every trainer of ``settings.trainers`` on ``dataset`` in one interleaved run."""
+    from transformers import PrinterCallback, Trainer
+
+    from ..trainer import GradAccTrainer
+    from .tiny import ListDataset, PaddingCollator
+
+    unknown = sorted(set(settings.trainers) - set(TRAINERS))
+    if unknown or "stock" not in settings.trainers:
+        raise ValueError(f"`trainers` ({settings.trainers}) must include 'stock' and come from {TRAINERS}")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    num_samples = (
+        settings.per_device_train_batch_size
+        * settings.gradient_accumulation_steps
+        * world_size
+        * (settings.num_warmup_steps + settings.num_steps)
+    )
+    samples = make_bench_samples(settings, dataset, num_samples)
+    longest = max(len(s["input_ids"]) for s in samples)
+    if "budget" in settings.trainers and longest > settings.max_tokens_per_micro_batch:
+        settings = replace(settings, max_tokens_per_micro_batch=longest)
+        logger.warning(f"bench: token budget raised to the longest sample ({longest} tokens)")
+    model = build_bench_model(settings)
+    initial = _flat_params(model)
+    probe = _MemoryProbe(settings.device)
+    trainers: dict[str, Any] = {}
+    turns: dict[str, Any] = {}
+    counters: dict[str, _TokenCounter] = {}
+    with tempfile.TemporaryDirectory(prefix="hf_gradacc_bench_") as tmp:
+        for name in settings.trainers:
+            counters[name] = _TokenCounter(PaddingCollator())
+            turns[name] = _turn_callback(name, probe, world_size)
+            trainer_class = Trainer if name == "stock" else GradAccTrainer
+            trainers[name] = trainer_class(
+                model=copy.deepcopy(model),
+                args=_trainer_args(settings, name, os.path.join(tmp, name), world_size),
+                train_dataset=ListDataset(samples),
+                data_collator=counters[name],
+                callbacks=[turns[name]],
+            )
+            trainers[name].remove_callback(PrinterCallback)  # disable_tqdm prints every log line otherwise
+            turns[name].trainer = trainers[name]
+        _run_in_turns(trainers, turns, settings.num_warmup_steps + settings.num_steps)
+
+    finals = {n: _flat_params(t.accelerator.unwrap_model(t.model)) for n, t in trainers.items()}
+    skip = settings.num_warmup_steps
+    stock_times = turns["stock"].step_times[skip:]
+    stock_peak = max(turns["stock"].step_peaks[skip:] or [0])
+    rows = []
+    for name in settings.trainers:
+        times = turns[name].step_times[skip:]
+        peak = max(turns[name].step_peaks[skip:] or [0])
+        ratios = [t / s for t, s in zip(times, stock_times)]
+        diff = None
+        if "plain" in finals:
+            reference = finals["plain"] - initial
+            diff = float((finals[name] - finals["plain"]).norm() / reference.norm())
+        steps = len(turns[name].step_times)
+        rows.append(
+            BenchRow(
+                dataset=dataset,
+                trainer=name,
+                median_step_time_s=statistics.median(times),
+                step_time_ratio=statistics.median(ratios),
+                total_time_ratio=sum(times) / sum(stock_times),
+                computed_per_real_token=counters[name].computed / max(counters[name].real, 1),
+                peak_memory_bytes=peak,
+                peak_memory_ratio=peak / stock_peak if stock_peak > 0 else float("nan"),
+                reductions_per_step=turns[name].reductions / steps if world_size > 1 else None,
+                micro_batches_per_step=counters[name].micro_batches / steps,
+                relative_update_difference=diff,
+                step_times_s=tuple(times),
+            )
+        )
+    return rows
+
+
+def run_benchmark(settings: BenchSettings) -> list[BenchRow]:
+    """Every dataset of ``settings``; the trainers of one dataset are measured in one interleaved run."""
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"bench: `device` is {settings.device!r} but torch.cuda.is_available() is False")
+    if settings.num_threads is not None and not settings.device.startswith("cuda"):
+        torch.set_num_threads(settings.num_threads)
+    rows = []
+    for dataset in settings.datasets:
+        rows += bench_dataset(settings, dataset)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- output
+def format_table(rows: Sequence[BenchRow]) -> str:
+    """A markdown table of ``rows``.
+
+    Example:
+        ```python
+        print(format_table(run_benchmark(BenchSettings(num_steps=2))))
+        ```
+    """
+    header = (
+        "| data | trainer | step time (median) | step time ratio vs stock (median of pairs) | total time ratio | "
+        "computed / real tokens | peak memory ratio | micro-batches / step | reductions / step | "
+        "update diff vs GradAccTrainer |"
+    )
+    lines = [header, "|" + " --- |" * 10]
+    for r in rows:
+        reductions = "n/a (1 process)" if r.reductions_per_step is None else f"{r.reductions_per_step:.2f}"
+        diff = "-" if r.relative_update_difference is None else f"{r.relative_update_difference:.1e}"
+        lines.append(
+            f"| {r.dataset} | {_TRAINER_LABELS[r.trainer]} | {r.median_step_time_s * 1e3:.0f} ms | "
+            f"{r.step_time_ratio:.3f} | {r.total_time_ratio:.3f} | {r.computed_per_real_token:.3f} | "
+            f"{r.peak_memory_ratio:.3f} | {r.micro_batches_per_step:.1f} | {reductions} | {diff} |"
+        )
+    return "\n".join(lines)
+
+
+def environment() -> dict[str, str]:
+    """Versions and machine, for the benchmark record."""
+    import accelerate
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "machine": platform.machine(),
+        "cpus": str(os.cpu_count()),
+        "torch_threads": str(torch.get_num_threads()),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+
+
+# ---------------------------------------------------------------------------------------------- command line

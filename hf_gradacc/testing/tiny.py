@@ -1,0 +1,204 @@
+"""Built-in tiny models and synthetic mixed-length data, for `hf-gradacc check`, examples and tests.
+
+Everything is built from configs (no download) and seeded. The data is deliberately hostile to naive
+accumulation: lengths vary a lot, and a large share of each row's labels is ``ignore_index`` (prompt tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..loss import IGNORE_INDEX
+
+TASKS: tuple[str, ...] = (
+    "causal_lm",
+    "seq2seq",
+    "masked_lm",
+    "token_classification",
+    "sequence_classification",
+    "regression",
+    "multi_label_classification",
+)
+VOCAB_SIZE = 96
+PAD_TOKEN_ID = 0
+NUM_LABELS = 3
+
+
+def build_tiny_model(task: str = "causal_lm", *, seed: int = 0, hidden_size: int = 32) -> torch.nn.Module:
+    """A randomly initialised model of a few thousand parameters for ``task`` (one of :data:`TASKS`).
+
+    Dropout is off so that two runs over the same samples are comparable.
+
+    Example:
+        ```python
+        from hf_gradacc.tiny import build_tiny_model
+        model = build_tiny_model("sequence_classification")
+        ```
+    """
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if task == "causal_lm":
+        config = tf.LlamaConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            pad_token_id=PAD_TOKEN_ID,
+            tie_word_embeddings=False,
+        )
+        return tf.LlamaForCausalLM(config)
+    if task == "seq2seq":
+        config = tf.T5Config(
+            vocab_size=VOCAB_SIZE,
+            d_model=hidden_size,
+            d_kv=8,
+            d_ff=2 * hidden_size,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            pad_token_id=PAD_TOKEN_ID,
+            decoder_start_token_id=PAD_TOKEN_ID,
+            eos_token_id=1,
+        )
+        return tf.T5ForConditionalGeneration(config)
+    bert_kwargs: dict[str, Any] = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=PAD_TOKEN_ID,
+    )
+    if task == "masked_lm":
+        return tf.BertForMaskedLM(tf.BertConfig(**bert_kwargs))
+    if task == "token_classification":
+        return tf.BertForTokenClassification(tf.BertConfig(num_labels=NUM_LABELS, **bert_kwargs))
+    if task == "sequence_classification":
+        config = tf.BertConfig(num_labels=NUM_LABELS, problem_type="single_label_classification", **bert_kwargs)
+        return tf.BertForSequenceClassification(config)
+    if task == "regression":
+        return tf.BertForSequenceClassification(tf.BertConfig(num_labels=1, problem_type="regression", **bert_kwargs))
+    if task == "multi_label_classification":
+        config = tf.BertConfig(num_labels=NUM_LABELS, problem_type="multi_label_classification", **bert_kwargs)
+        return tf.BertForSequenceClassification(config)
+    raise ValueError(f"`task` ({task!r}) must be one of {TASKS}")
+
+
+def make_samples(
+    task: str = "causal_lm",
+    num_samples: int = 32,
+    *,
+    seed: int = 0,
+    min_length: int = 3,
+    max_length: int = 40,
+    ignore_fraction: float = 0.5,
+) -> list[dict[str, Any]]:
+    """Synthetic samples (lists, unpadded) with mixed lengths and many ignored labels.
+
+    Lengths are drawn from a long-tailed distribution between ``min_length`` and ``max_length``; for token-level
+    tasks a random prefix of each row (about ``ignore_fraction`` of it on average) is labelled ``-100``, and a few
+    rows have no counted label at all.
+    """
+    if task not in TASKS:
+        raise ValueError(f"`task` ({task!r}) must be one of {TASKS}")
+    g = torch.Generator().manual_seed(seed)
+    samples: list[dict[str, Any]] = []
+    for i in range(num_samples):
+        u = float(torch.rand((), generator=g))
+        length = int(min_length + (max_length - min_length) * u**3)
+        ids = torch.randint(2, VOCAB_SIZE, (length,), generator=g).tolist()
+        sample: dict[str, Any] = {"input_ids": ids}
+        if task in ("causal_lm", "masked_lm", "token_classification"):
+            if task == "token_classification":
+                labels = torch.randint(0, NUM_LABELS, (length,), generator=g).tolist()
+            else:
+                labels = list(ids)
+            cut = int(length * min(1.0, 2 * ignore_fraction * float(torch.rand((), generator=g))))
+            if i % 7 == 3:
+                cut = length  # a row with nothing to learn
+            labels = [IGNORE_INDEX] * cut + labels[cut:]
+            sample["labels"] = labels
+        elif task == "seq2seq":
+            target_len = int(1 + (max_length // 2 - 1) * float(torch.rand((), generator=g)) ** 2)
+            sample["labels"] = torch.randint(2, VOCAB_SIZE, (target_len,), generator=g).tolist()
+        elif task == "sequence_classification":
+            sample["labels"] = int(torch.randint(0, NUM_LABELS, (), generator=g))
+        elif task == "regression":
+            sample["labels"] = float(torch.randn((), generator=g))
+        else:
+            sample["labels"] = [float(x) for x in torch.randint(0, 2, (NUM_LABELS,), generator=g)]
+        samples.append(sample)
+    return samples
+
+
+@dataclass
+class PaddingCollator:
+    """Right-pads ``input_ids`` (and token-level ``labels`` with ``ignore_index``) to the longest row.
+
+    Example:
+        ```python
+        from hf_gradacc.tiny import PaddingCollator, make_samples
+        batch = PaddingCollator()(make_samples("causal_lm", 4))
+        ```
+    """
+
+    pad_token_id: int = PAD_TOKEN_ID
+    ignore_index: int = IGNORE_INDEX
+
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        width = max(len(s["input_ids"]) for s in samples)
+        input_ids = torch.full((len(samples), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
+        for row, s in enumerate(samples):
+            input_ids[row, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
+            attention_mask[row, : len(s["input_ids"])] = 1
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+        first = samples[0]["labels"]
+        if isinstance(first, list) and first and isinstance(first[0], int):
+            label_width = max(len(s["labels"]) for s in samples)
+            labels = torch.full((len(samples), label_width), self.ignore_index, dtype=torch.long)
+            for row, s in enumerate(samples):
+                labels[row, : len(s["labels"])] = torch.tensor(s["labels"], dtype=torch.long)
+        elif isinstance(first, list):
+            labels = torch.tensor([s["labels"] for s in samples], dtype=torch.float32)
+        elif isinstance(first, float):
+            labels = torch.tensor([s["labels"] for s in samples], dtype=torch.float32)
+        else:
+            labels = torch.tensor([s["labels"] for s in samples], dtype=torch.long)
+        batch["labels"] = labels
+        return batch
+
+
+class ListDataset(torch.utils.data.Dataset):
+    """A map-style dataset over a list of samples."""
+
+    def __init__(self, samples: Sequence[dict[str, Any]]) -> None:
+        self.samples = list(samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.samples[index]
+
+
+class ListIterableDataset(torch.utils.data.IterableDataset):
+    """An iterable dataset over a list of samples (no ``__len__``)."""
+
+    def __init__(self, samples: Sequence[dict[str, Any]]) -> None:
+        self.samples = list(samples)
+
+    def __iter__(self):
+        return iter(self.samples)
