@@ -27,8 +27,10 @@ logger = logging.get_logger(__name__)
 
 ZeroReduction = Literal["per_micro_batch", "per_window"]
 FsdpSync = Literal["deferred", "every_micro_batch", "defer_all_reduce"]
+NonFiniteSteps = Literal["skip", "raise", "propagate"]
 ZERO_REDUCTIONS: tuple[str, ...] = get_args(ZeroReduction)
 FSDP_SYNCS: tuple[str, ...] = get_args(FsdpSync)
+NONFINITE_STEPS: tuple[str, ...] = get_args(NonFiniteSteps)
 
 
 @dataclass
@@ -113,6 +115,22 @@ class GradAccArguments:
             "help": "FSDP2 gradient sync: 'deferred' (accumulate unsharded, reduce-scatter once per window: less "
             "communication, more memory), 'every_micro_batch' (reduce-scatter each micro-batch, sharded grads "
             "only), 'defer_all_reduce' (HSDP: defer only the cross-replica all-reduce)."
+        },
+    )
+    nonfinite_steps: str = field(
+        default="skip",
+        metadata={
+            "help": "An optimizer step whose loss or accumulated gradient is NaN/Inf on any rank: 'skip' (every rank "
+            "drops it together, parameters and optimizer state unchanged, a warning, `nonfinite_skipped` logged), "
+            "'raise' (NonFiniteStepError on every rank) or 'propagate' (take it, as the stock Trainer does)."
+        },
+    )
+    check_loss_at_start: bool = field(
+        default=True,
+        metadata={
+            "help": "On the first micro-batch, compare the loss hf_gradacc reconstructs with the model's own loss "
+            "(one extra forward for an overridden compute_loss) and stop with a clear error when a term would be "
+            "dropped or a loss normalised twice."
         },
     )
     regroup_micro_batches: bool = field(
@@ -215,6 +233,8 @@ class GradAccSettings:
     defer_normalization: bool = False
     zero_reduction: ZeroReduction = "per_micro_batch"
     fsdp_sync: FsdpSync = "deferred"
+    nonfinite_steps: NonFiniteSteps = "skip"
+    check_loss_at_start: bool = True
     regroup_micro_batches: bool = False
     max_tokens_per_micro_batch: int | None = None
 
@@ -270,9 +290,11 @@ def resolve_settings(args: TrainingArguments | GradAccArguments, overrides: Any 
     if not isinstance(settings.ignore_index, int) or isinstance(settings.ignore_index, bool):
         raise GradAccConfigError(f"`ignore_index` ({settings.ignore_index!r}) must be an int")
     for name in ("warn_on_plain_loss", "backward_per_term", "auto_micro_batch", "defer_normalization",
-                 "regroup_micro_batches"):
+                 "regroup_micro_batches", "check_loss_at_start"):
         _check_bool(name, getattr(settings, name))
-    for name, choices in (("zero_reduction", ZERO_REDUCTIONS), ("fsdp_sync", FSDP_SYNCS)):
+    for name, choices in (
+        ("zero_reduction", ZERO_REDUCTIONS), ("fsdp_sync", FSDP_SYNCS), ("nonfinite_steps", NONFINITE_STEPS)
+    ):
         if getattr(settings, name) not in choices:
             raise GradAccConfigError(f"`{name}` ({getattr(settings, name)!r}) must be one of {choices}")
     budget = settings.max_tokens_per_micro_batch
@@ -303,6 +325,12 @@ def _check_training_arguments(args: TrainingArguments, settings: GradAccSettings
         logger.warning_once(
             "`average_tokens_across_devices=False` is ignored by GradAccTrainer: the denominator is always counted "
             "over every micro-batch and every data-parallel rank, which is what makes the step exact."
+        )
+    tokens_seen = args.include_num_input_tokens_seen
+    if tokens_seen not in ("no", "all", "non_padding"):
+        raise GradAccConfigError(
+            f"`include_num_input_tokens_seen` ({tokens_seen!r}) must be 'no', 'all', 'non_padding' or a bool; the "
+            "Trainer would read any other value as 'all'."
         )
     if settings.regroups and getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
         raise GradAccConfigError(

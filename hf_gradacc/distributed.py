@@ -1,6 +1,70 @@
-"""Process-group utilities that are not a backend: ending a distributed run safely."""
+"""Process-group utilities that are not a backend: the timeout that ends a run whose peer froze, recognising a
+failed collective, and ending a distributed run safely."""
 
 from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from transformers.utils import logging
+
+from .errors import GradAccDistributedError
+
+logger = logging.get_logger(__name__)
+
+# torch's default timeout of a non-NCCL process group (distributed_c10d.default_pg_timeout).
+_TORCH_DEFAULT_TIMEOUT = timedelta(minutes=30)
+# What gloo (and the DDP reducer wrapping it) say when a peer froze, died or closed the connection.
+COLLECTIVE_FAILURES = (
+    "Timed out waiting",
+    "Application timeout caused pair closure",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Socket Timeout",
+)
+
+
+def apply_ddp_timeout(args: Any) -> timedelta | None:
+    """Give the default process group the timeout of `TrainingArguments.ddp_timeout` when it still has torch's default.
+
+    With ``use_cpu=True`` transformers 5.23 creates the gloo group without the ``ddp_timeout`` it passes to every
+    other backend (`TrainingArguments._setup_devices`), so a frozen peer made the other ranks wait 30 minutes. A group
+    the user created with a timeout of their own is left alone. Returns the timeout set, or None. Uses torch's
+    ``_set_pg_timeout`` (private); delete once transformers passes the timeout on the CPU path.
+    """
+    import torch
+    import torch.distributed as dist
+
+    wanted = getattr(args, "ddp_timeout_delta", None)
+    if not (dist.is_available() and dist.is_initialized()) or wanted is None or dist.get_backend() != "gloo":
+        return None
+    try:
+        current = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+        if current != _TORCH_DEFAULT_TIMEOUT or current == wanted:
+            return None
+        dist.distributed_c10d._set_pg_timeout(wanted)
+    except (AttributeError, RuntimeError, ValueError) as error:  # an older / newer torch: say so, do not fail
+        logger.warning_once(f"Could not apply `ddp_timeout` ({wanted}) to the gloo process group: {error}")
+        return None
+    return wanted
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that timed out or lost its peer (gloo / the DDP reducer)."""
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistBackendError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in COLLECTIVE_FAILURES)
+
+
+def collective_failure(step: int, micro_batch: int | None, args: Any) -> GradAccDistributedError:
+    """The error that replaces a failed collective: which optimizer step, micro-batch and rank, and why."""
+    where = "" if micro_batch is None else f", micro-batch {micro_batch + 1}"
+    return GradAccDistributedError(
+        f"Optimizer step {step}{where} on rank {args.process_index}: a collective got no answer within `ddp_timeout` "
+        f"({args.ddp_timeout} s) or lost its peer; another rank froze, died or failed (see its log)."
+    )
 
 
 def finish_distributed() -> bool:

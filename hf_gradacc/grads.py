@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import GradientsNotReadyError
+from .errors import GradAccUsageError, GradientsNotReadyError
 
 if TYPE_CHECKING:
     from .mixin import GradAccMixin
@@ -72,7 +72,9 @@ class GradAccess:
         for n, p in self.named_parameters():
             if n == name:
                 return p
-        raise KeyError(f"no trainable parameter named {name!r}")
+        raise GradAccUsageError(
+            f"No trainable parameter named {name!r}; `trainer.grads.named_parameters()` lists the names."
+        )
 
     def full(self, name: str) -> torch.Tensor:
         """The full accumulated, reduced gradient of parameter ``name`` (a collective on sharded backends)."""

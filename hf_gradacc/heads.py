@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn as nn
 from transformers.utils import logging
 
-from .errors import GradAccConfigError, GradAccLossError
+from .errors import GradAccConfigError, GradAccDataError, GradAccLossError
 from .loss import (
     HEAD_TYPES,
     IGNORE_INDEX,
@@ -30,6 +30,8 @@ from .loss import (
 from .window import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, count_micro_batch
 
 logger = logging.get_logger(__name__)
+
+_LM_HEADS = ("causal_lm", "seq2seq", "masked_lm")
 
 # Class-name suffixes of the Hugging Face heads, checked along the MRO so user subclasses keep their family.
 _SUFFIXES: tuple[tuple[str, HeadType], ...] = (
@@ -145,6 +147,7 @@ class Head:
     problem_type: str | None = None
     label_smoothing: float = 0.0
     allow_unlabelled: bool = False
+    num_classes: int | None = None
 
     @classmethod
     def for_model(
@@ -161,14 +164,18 @@ class Head:
             head = detect_head_type(model) if requested == "auto" else resolve_head_type(model, requested)
         else:
             head = resolve_head_type(model, requested)
-        config = getattr(unwrap_model(model), "config", None)
+        base = unwrap_model(model)
+        config = getattr(base, "config", None)
+        num_labels = int(getattr(config, "num_labels", 2) or 2)
+        classes = num_labels if config is not None and getattr(config, "num_labels", None) else None
         return cls(
             type=head,
             ignore_index=ignore_index,
-            num_labels=int(getattr(config, "num_labels", 2) or 2),
+            num_labels=num_labels,
             problem_type=getattr(config, "problem_type", None),
             label_smoothing=float(label_smoothing or 0.0),
             allow_unlabelled=custom_loss,
+            num_classes=classes if head in ("token_classification", "sequence_classification") else _vocab(base),
         )
 
     @property
@@ -185,14 +192,62 @@ class Head:
         return infer_problem_type(self.num_labels, labels, self.problem_type)
 
     def count(self, batch: Mapping[str, Any]) -> MicroBatchCounts:
-        """The denominator counts of one micro-batch (see :func:`~hf_gradacc.window.count_micro_batch`)."""
-        return count_micro_batch(
+        """The denominator counts of one micro-batch (see :func:`~hf_gradacc.window.count_micro_batch`), after
+        :meth:`check_labels`; ``num_input_tokens`` counts the attended input positions."""
+        self.check_labels(batch)
+        if self.type is None and LABEL_KEY in batch:
+            logger.warning_once(
+                "hf_gradacc could not tell the model's loss family; 'tokens' are counted on unshifted labels. Set "
+                "`head_type` if the model shifts its labels (causal LM)."
+            )
+        counts = count_micro_batch(
             batch,
             self.type or "masked_lm",
             ignore_index=self.ignore_index,
             problem_type=self.problem_type_of(batch.get(LABEL_KEY)),
             allow_unlabelled=self.allow_unlabelled,
         )
+        return replace(counts, num_input_tokens=input_token_count(batch))
+
+    def check_labels(self, batch: Mapping[str, Any]) -> None:
+        """Raise :class:`~hf_gradacc.GradAccDataError` for labels this head cannot train on: the wrong shape for the
+        family (token labels on a sequence head and the reverse, a length that differs from ``input_ids``) or class
+        ids outside ``[0, num_classes)`` other than ``ignore_index``. Nothing is checked for an unknown head."""
+        labels = batch.get(SHIFT_LABELS_KEY) if self.type == "causal_lm" and SHIFT_LABELS_KEY in batch else None
+        key = SHIFT_LABELS_KEY if labels is not None else LABEL_KEY
+        labels = labels if labels is not None else batch.get(LABEL_KEY)
+        if self.type is None or not torch.is_tensor(labels):
+            return
+        fix = f"Fix the data collator, or set `head_type` if the model's head is not a {self.type} head."
+        if self.is_sequence_level:
+            if not labels.is_floating_point() and labels.dim() == 2 and labels.shape[1] > 1:
+                raise GradAccDataError(
+                    f"`{key}` has shape {tuple(labels.shape)}: integer labels per token, but the model has a "
+                    f"sequence_classification head (one label per row). {fix}"
+                )
+        else:
+            if labels.dim() != 2:
+                raise GradAccDataError(
+                    f"`{key}` has shape {tuple(labels.shape)}; a {self.type} head needs one label per token, shape "
+                    f"(batch, sequence). {fix}"
+                )
+            inputs = batch.get("input_ids", batch.get("inputs_embeds"))
+            if self.type != "seq2seq" and torch.is_tensor(inputs) and tuple(inputs.shape[:2]) != tuple(labels.shape):
+                raise GradAccDataError(
+                    f"`{key}` has shape {tuple(labels.shape)} but the inputs have shape {tuple(inputs.shape[:2])}: a "
+                    f"{self.type} head needs one label per input token. {fix}"
+                )
+        if labels.is_floating_point() or labels.dtype == torch.bool or self.num_classes is None:
+            return
+        bad = (labels != self.ignore_index) & ((labels < 0) | (labels >= self.num_classes))
+        if bool(bad.any()):
+            value = int(labels[bad].reshape(-1)[0])
+            raise GradAccDataError(
+                f"`{key}` holds the id {value}, outside [0, {self.num_classes}) (the model's "
+                f"{'vocabulary' if self.type in _LM_HEADS else 'num_labels'}) and not `ignore_index` "
+                f"({self.ignore_index}). Mask such positions with {self.ignore_index}, or set `ignore_index` to the "
+                "value your data uses."
+            )
 
     def count_labels(self, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None) -> int:
         """The count of the head's denominator for these labels alone (evaluation)."""
@@ -210,9 +265,11 @@ class Head:
     ) -> torch.Tensor:
         """The micro-batch's SUM-reduced loss of this head family (see :mod:`hf_gradacc.loss`)."""
         smoothing = self.label_smoothing
+        if labels is not None and labels.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8):
+            labels = labels.long()  # cross-entropy takes int64 class ids
         if self.type == "causal_lm":
             targets = shift_labels if shift_labels is not None else causal_targets(labels, self.ignore_index)
-            return token_cross_entropy_sum(logits, targets, self.ignore_index, smoothing)
+            return token_cross_entropy_sum(logits, targets.long(), self.ignore_index, smoothing)
         if self.type in ("seq2seq", "masked_lm", "token_classification"):
             return token_cross_entropy_sum(logits, labels, self.ignore_index, smoothing)
         if self.type == "sequence_classification":
@@ -225,3 +282,46 @@ class Head:
             total, _ = sequence_classification_sum(logits, labels, problem_type, self.ignore_index, smoothing)
             return total
         raise GradAccLossError(f"No built-in loss for head type {self.type!r}: set `head_type` or return a LossTerm.")
+
+
+def _vocab(model: nn.Module) -> int | None:
+    """Rows of the output embeddings (the classes of an LM head), or the config's ``vocab_size``; None if unknown."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        output = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        output = None
+    weight = getattr(output, "weight", None)
+    if torch.is_tensor(weight) and weight.dim() == 2 and weight.shape[0] > 0:
+        return int(weight.shape[0])
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "text_config", None), getattr(config, "decoder", None)):
+        size = getattr(cfg, "vocab_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return None
+
+
+def input_token_count(batch: Mapping[str, Any]) -> int:
+    """Input positions the model attends to: ``attention_mask == 1``, or every position of ``input_ids`` /
+    ``inputs_embeds`` without a mask (padding-free batches); 0 when the batch has none of them."""
+    mask = batch.get("attention_mask")
+    if torch.is_tensor(mask) and mask.dim() == 2:
+        return int(mask.sum())
+    inputs = batch.get("input_ids", batch.get("inputs_embeds"))
+    if torch.is_tensor(inputs) and inputs.dim() >= 2:
+        return int(inputs.shape[0] * inputs.shape[1])
+    return 0
+
+
+def seen_token_count(main_input: Any, attention_mask: Any, mode: str, pad_token_id: int | None) -> int:
+    """Input tokens as `TrainingArguments.include_num_input_tokens_seen` counts them: ``"all"`` every position of the
+    main input, ``"non_padding"`` the attention mask's ones (else the non-pad ids). 0 without a main input."""
+    if not torch.is_tensor(main_input):
+        return 0
+    if mode == "non_padding":
+        if torch.is_tensor(attention_mask):
+            return int(attention_mask.sum())
+        if pad_token_id is not None:
+            return int((main_input != pad_token_id).sum())
+    return int(main_input.numel())

@@ -7,6 +7,7 @@ is known, and that is :func:`normalize`'s job.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -14,7 +15,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from .errors import GradAccLossError
+from .errors import GradAccLossError, GradAccTypeError
 
 IGNORE_INDEX = -100
 
@@ -33,8 +34,8 @@ HEAD_TYPES: tuple[str, ...] = (
     "sequence_classification",
 )
 ProblemType = Literal["single_label_classification", "multi_label_classification", "regression"]
-Denominator = Literal["tokens", "samples"]
-DENOMINATORS: tuple[str, ...] = ("tokens", "samples")
+Denominator = Literal["tokens", "samples", "input_tokens"]
+DENOMINATORS: tuple[str, ...] = ("tokens", "samples", "input_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +49,11 @@ class LossTerm:
     Args:
         total: a scalar tensor, the SUM of the loss over this micro-batch's items.
         normalize_by: ``"tokens"`` (labels that are not ``ignore_index``, after the causal shift for
-            causal LMs), ``"samples"`` (rows of the micro-batch with a label), or this micro-batch's own
-            count (an int or a scalar tensor), which the trainer sums over the window and all ranks — a count
-            only known after the forward pass needs ``GradAccConfig(defer_normalization=True)``.
+            causal LMs), ``"samples"`` (rows of the micro-batch with a label), ``"input_tokens"`` (input positions
+            the model attends to: ``attention_mask == 1``, every position without a mask), or this micro-batch's
+            own count (a finite, non-negative whole number: an int or a one-value tensor), which the trainer sums
+            over the window and all ranks — a count only known after the forward pass needs
+            ``GradAccConfig(defer_normalization=True)``.
 
     Example:
         ```python
@@ -72,7 +75,7 @@ class LossTerm:
 
     def __post_init__(self) -> None:
         if not torch.is_tensor(self.total):
-            raise TypeError(f"`LossTerm.total` must be a tensor, got {type(self.total).__name__}")
+            raise GradAccTypeError(f"`LossTerm.total` must be a tensor, got {type(self.total).__name__}")
         if self.total.dim() != 0:
             raise GradAccLossError(
                 f"`LossTerm.total` must be a scalar (a sum over the micro-batch), got shape {tuple(self.total.shape)}"
@@ -82,9 +85,28 @@ class LossTerm:
             if nb not in DENOMINATORS:
                 raise GradAccLossError(f"`LossTerm.normalize_by` ({nb!r}) must be one of {DENOMINATORS}, an int or a tensor")
         elif isinstance(nb, bool) or not isinstance(nb, (int, torch.Tensor)):
-            raise TypeError(f"`LossTerm.normalize_by` must be 'tokens', 'samples', an int or a tensor, got {nb!r}")
-        elif torch.is_tensor(nb) and nb.numel() != 1:
-            raise GradAccLossError(f"`LossTerm.normalize_by` as a tensor must hold one count, got shape {tuple(nb.shape)}")
+            raise GradAccTypeError(
+                f"`LossTerm.normalize_by` must be 'tokens', 'samples', an int or a tensor, got {nb!r}"
+            )
+        else:
+            check_count(nb, where="`LossTerm.normalize_by`")
+
+
+def check_count(count: int | torch.Tensor, *, where: str) -> int:
+    """``count`` as an int, or :class:`~hf_gradacc.GradAccLossError` when it is not ONE finite, non-negative whole
+    number (a tensor of several values, 2.5, -3, NaN). ``where`` names its origin in the message."""
+    if torch.is_tensor(count):
+        if count.numel() != 1:
+            raise GradAccLossError(f"{where} as a tensor must hold one count, got shape {tuple(count.shape)}")
+        value = float(count.detach().reshape(()).double())
+    else:
+        value = float(count)
+    if not math.isfinite(value) or value < 0 or value != int(value):
+        raise GradAccLossError(
+            f"{where} ({value:g}) must be a finite, non-negative whole number of items: the step's loss is divided "
+            "by the sum of these counts over every micro-batch and rank."
+        )
+    return int(value)
 
 
 def causal_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -150,7 +172,7 @@ def sequence_classification_sum(
         target = labels.to(logits.dtype if logits.is_floating_point() else torch.float32)
         total = F.binary_cross_entropy_with_logits(logits.float(), target.float(), reduction="sum") / num_outputs
         return total, torch.tensor(labels.shape[0], device=labels.device)
-    raise ValueError(
+    raise GradAccLossError(
         f"`problem_type` ({problem_type!r}) must be one of 'single_label_classification', "
         "'multi_label_classification', 'regression'"
     )

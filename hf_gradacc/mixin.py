@@ -16,7 +16,10 @@ flight, because `Trainer`'s ``training_step`` / ``compute_loss`` signatures cann
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,16 +28,20 @@ from transformers.utils import logging
 
 from . import patches
 from .backends import Backend, resolve_backend
+from .builtin_loss import MAIN_TERM, batch_mean_loss, builtin_loss, model_mean_loss
 from .callbacks.base import GradAccCallback
+from .checkpoints import latest_complete_checkpoint
+from .checks import LossCheck, agree, start_up_check
 from .config import GradAccSettings, resolve_settings
 from .data.loader import adjust_training_values, build_train_dataloader, plan_epoch
-from .distributed import finish_distributed
+from .distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .errors import GradAccConfigError, GradAccDataError, GradAccUsageError
 from .grads import AccumulatedGradHook, GradAccess
-from .heads import Head, unwrap_model
+from .heads import Head, seen_token_count
 from .loss import LossTerm, parse_loss_output
 from .memory import halve_rows, is_out_of_memory, release_memory
-from .window import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, TermLog, Window
+from .nonfinite import must_skip, poison_nonfinite
+from .window import LABEL_KEY, MicroBatchCounts, TermLog, Window
 
 logger = logging.get_logger(__name__)
 
@@ -44,27 +51,18 @@ _DATA_RAN_OUT = object()  # _train_window's answer when no rank had a micro-batc
 class GradAccMixin:
     """Exact gradient accumulation for any `transformers.Trainer` subclass: put it FIRST in the bases.
 
-    For every optimizer step the mixin
-
-    1. prefetches the step's micro-batches and counts the denominator (non-ignored target tokens for LM and
-       token heads, samples for sequence classification) over all of them and all ranks, in one collective;
-    2. computes each micro-batch's loss as a SUM over its items (built-in heads: from the logits, so it does not
-       matter whether the model's own loss honours ``num_items_in_batch``, or whether PEFT wraps the model);
-    3. divides by the global count, multiplies by the data-parallel world size, and never divides by the number
-       of micro-batches.
-
-    The logged ``loss`` is the exact token- (or sample-) weighted mean of the step across ranks, and ``grad_norm``
-    the norm of the exact accumulated gradient. A step whose micro-batches hold no counted item on any rank is
-    skipped with a warning, on every rank alike.
+    Per optimizer step it counts the denominator (non-ignored target tokens, or samples for sequence-level heads)
+    over every micro-batch and rank in one collective, computes each micro-batch's loss as a SUM (the built-in one
+    from the logits, plus a mixture-of-experts model's router terms), divides it by the global count times the
+    data-parallel world size, and never divides by the number of micro-batches. The logged ``loss`` is the step's
+    exact mean, ``grad_norm`` the exact accumulated gradient's norm. A step without counted items on any rank, or
+    (``nonfinite_steps="skip"``) with a NaN/Inf loss or gradient, is skipped on every rank alike.
 
     Knobs: the :class:`~hf_gradacc.GradAccArguments` fields, from ``args`` when it is a GradAcc config, or from the
     extra keyword ``gradacc_args=`` (a ``GradAccArguments`` or a dict) with any other `TrainingArguments`.
-
-    Overriding ``compute_loss``: return an :class:`~hf_gradacc.LossTerm` (a sum and its denominator) or a
-    ``dict[str, LossTerm]`` for an exact step. A plain tensor is read as a MEAN over the micro-batch's counted
-    items (what ``outputs.loss`` is when the model gets ``num_items_in_batch`` = that local count, which is what the
-    mixin passes to an overridden ``compute_loss``), and a warning says so once. ``current_window`` gives the
-    step's global counts to an override.
+    Overriding ``compute_loss``: return :class:`~hf_gradacc.LossTerm` (s) for an exact step; a plain tensor is read
+    as the MEAN over the micro-batch's counted items (``num_items_in_batch`` is that local count), with a warning
+    once. ``current_window`` gives an override the step's global counts. See docs/api.md and docs/architecture.md.
 
     Example:
         ```python
@@ -99,11 +97,6 @@ class GradAccMixin:
             label_smoothing=self.args.label_smoothing_factor,
             custom_loss=self._custom_compute_loss,
         )
-        if self.args.n_gpu > 1:
-            raise GradAccConfigError(
-                f"GradAccTrainer does not support torch.nn.DataParallel over {self.args.n_gpu} GPUs in one process; "
-                "launch one process per GPU (`accelerate launch` / `torchrun`) or set CUDA_VISIBLE_DEVICES."
-            )
         if self.head.type is not None and LABEL_KEY not in self.label_names:
             # Keep `labels` through the Trainer's unused-column removal even when the model's forward does not
             # take them: the built-in loss is computed from them.
@@ -118,11 +111,14 @@ class GradAccMixin:
             or settings.defer_normalization,
         )
         self.backend.check_model(self.model)
+        apply_ddp_timeout(self.args)  # gloo groups made with use_cpu=True miss it (transformers 5.23)
         if settings.defer_normalization and self._custom_training_step:
             raise GradAccConfigError(
                 "`defer_normalization=True` cannot be combined with an overridden `training_step`; turn one off."
             )
         self.num_skipped_windows = 0
+        self.num_nonfinite_skipped = 0
+        self._loss_check_due, self._loss_check = False, None
         self._window: Window | None = None
         self._auto_rows: int | None = None  # auto_micro_batch: rows per micro-batch once an OOM was survived
         self._training_started = False
@@ -218,6 +214,8 @@ class GradAccMixin:
                 f"backward(final=True) on micro-batch {window.index + 1} of {window.num_micro_batches}: only the "
                 "last micro-batch's last backward pass may be final."
             )
+        if self.gradacc.nonfinite_steps != "propagate":
+            loss = poison_nonfinite(loss)  # a NaN/Inf loss on any rank makes the reduced gradient non-finite everywhere
         # A window that defers its sync reduces once after its last micro-batch (Window.defers_sync).
         self.backend.backward(loss, is_final=final and not window.defers_sync, retain_graph=retain_graph)
         if final:
@@ -228,6 +226,13 @@ class GradAccMixin:
         if window is None or window.index is None:
             raise GradAccUsageError(f"{what} runs inside a training step's micro-batch only (from training_step)")
         return window
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`; ``resume_from_checkpoint=True`` takes the newest checkpoint that was saved COMPLETELY
+        (:func:`~hf_gradacc.checkpoints.latest_complete_checkpoint`), passing over a save that was killed midway."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ------------------------------------------------------------------ the loop: one window per optimizer step
     def _run_epoch(
@@ -254,6 +259,7 @@ class GradAccMixin:
         if epoch == epochs_trained:
             self._training_started = True
             self.backend.setup(model, self.optimizer)
+            self._loss_check_due, self._loss_check = self.gradacc.check_loss_at_start, None
         resuming = epoch == epochs_trained and resume_from_checkpoint is not None
         skip = steps_trained_in_current_epoch if resuming and not self.args.ignore_data_skip else 0
         plan = plan_epoch(
@@ -268,23 +274,34 @@ class GradAccMixin:
             self._load_rng_state(resume_from_checkpoint)
         step, steps_in_epoch, rng_to_sync = plan.step, plan.steps_in_epoch, plan.resumed_mid_epoch
         grad_norm = learning_rate = None
+        any_rank_had_data = plan.step >= 0  # agreed: from the counts every rank gathered, never this rank's alone
         for num_batches in plan.num_batches:
-            window = self._open_window(plan.epoch_iterator, num_batches)
-            if rng_to_sync:  # the skipped batches drew from the RNG: restore the checkpoint's state now
-                self._load_rng_state(resume_from_checkpoint)
-                rng_to_sync = False
+            window = None
             try:
+                window = self._open_window(plan.epoch_iterator, num_batches)
+                if rng_to_sync:  # the skipped batches drew from the RNG: restore the checkpoint's state now
+                    self._load_rng_state(resume_from_checkpoint)
+                    rng_to_sync = False
                 tr_loss_step = self._train_window(model, window, plan.epoch_iterator, num_batches)
+                any_rank_had_data = any_rank_had_data or sum(window.counts.num_micro_batches_per_rank) > 0
                 if tr_loss_step is _DATA_RAN_OUT:
                     break  # the data ran out on every rank: the epoch ends here, nothing is carried over
                 step += window.num_micro_batches
                 if tr_loss_step is None:
                     continue  # no counted item on any rank: skipped, parameters unchanged
+                stepped = self._optimizer_step(window)
+                if stepped is None:
+                    continue  # a non-finite step, dropped on every rank: parameters and optimizer state unchanged
+                grad_norm, learning_rate = stepped
                 if self.args.logging_nan_inf_filter and not bool(torch.isfinite(tr_loss_step)):
                     self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
                 else:
                     self._tr_loss += tr_loss_step.to(self._tr_loss.device)
-                grad_norm, learning_rate = self._optimizer_step(window)
+            except RuntimeError as error:
+                if not is_collective_failure(error):
+                    raise
+                micro_batch = None if window is None else window.index
+                raise collective_failure(self.state.global_step + 1, micro_batch, self.args) from error
             finally:
                 self._window = None
             self.state.global_step += 1
@@ -297,7 +314,7 @@ class GradAccMixin:
             if self.control.should_epoch_stop or self.control.should_training_stop:
                 break
 
-        if step < 0:
+        if not any_rank_had_data:
             logger.warning(
                 "There seems not to be a single sample in your epoch_iterator, stopping training at step"
                 f" {self.state.global_step}!"
@@ -310,7 +327,15 @@ class GradAccMixin:
         )  # fmt: skip
 
     def _count(self, batch: Mapping[str, Any]) -> MicroBatchCounts:
-        return self.head.count(batch)
+        """The head's counts, plus the input tokens `include_num_input_tokens_seen` tracks (summed with the counts in
+        the step's one collective, not gathered per micro-batch as `Trainer._track_num_input_tokens` does)."""
+        counts = self.head.count(batch)
+        mode = self.args.include_num_input_tokens_seen
+        if mode == "no":
+            return counts
+        main = batch.get(getattr(self.model, "main_input_name", "input_ids"))
+        pad_id = getattr(self.processing_class, "pad_token_id", None)
+        return replace(counts, num_seen_tokens=seen_token_count(main, batch.get("attention_mask"), mode, pad_id))
 
     def _open_window(self, epoch_iterator: Iterator, num_batches: int) -> Window:
         """The next optimizer step: prefetched and counted over all ranks (one collective), or streamed."""
@@ -327,11 +352,6 @@ class GradAccMixin:
                 dp_world_size=world,
                 defers_sync=self.gradacc.auto_micro_batch,
             )
-            if self.head.type is None and window.micro_batches and window.counts.labelled:
-                logger.warning_once(
-                    "GradAccTrainer could not tell the model's loss family; 'tokens' are counted on unshifted labels. "
-                    "Set `head_type` in GradAccConfig if the model shifts its labels (causal LM)."
-                )
             if self._auto_rows is not None:
                 window.resplit(self._auto_rows, self._count)
             self.current_gradient_accumulation_steps = max(window.num_micro_batches, 1)
@@ -369,6 +389,9 @@ class GradAccMixin:
                 return None
         self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
         total = self._run_micro_batches(model, window, epoch_iterator, num_batches)
+        if self._loss_check_due:  # every rank joins, with its verdict or none: one collective, once
+            agree(self._loss_check or LossCheck(), self.backend.all_gather, self.args.device)
+            self._loss_check_due, self._loss_check = False, None
         if window.streamed:
             global_count = window.finish_streamed(self.backend.all_gather, self.args.device)
             self._call_event("on_window_counted", window=window)
@@ -383,6 +406,7 @@ class GradAccMixin:
             total = total / global_count
         # accelerate's optimizer wrapper only steps when it believes the gradients are synced.
         self.accelerator.gradient_state._set_sync_gradients(True)
+        self.state.num_input_tokens_seen += window.counts.global_seen_tokens
         return total
 
     def _run_micro_batches(self, model: nn.Module, window: Window, epoch_iterator: Iterator, num_batches: int):
@@ -396,26 +420,26 @@ class GradAccMixin:
         retry = self.gradacc.auto_micro_batch
         while True:
             window.final_backward_done = False
-            window.term_totals = {}
-            out_of_memory, total = False, None
+            window.term_totals, window.losses = {}, []
+            out_of_memory, total = None, None
             try:
                 total = self._micro_batch_loop(model, window, epoch_iterator, num_batches)
             except Exception as error:  # noqa: BLE001 - only out-of-memory errors are caught, the rest re-raised
                 if not (retry and is_out_of_memory(error)):
                     raise
-                out_of_memory = True
+                out_of_memory = error
                 release_memory()
             if not retry:
                 break
             # One flag per rank, agreed before anything else communicates: every rank retries, or none does.
-            flags = self.backend.all_gather(torch.tensor([int(out_of_memory)], device=self.args.device))
+            flags = self.backend.all_gather(torch.tensor([int(out_of_memory is not None)], device=self.args.device))
             if not bool(flags.max()):
                 self.backend.sync_window()
                 break
             self.backend.zero_grad()
-            previous, self._auto_rows = halve_rows(window, self._auto_rows)
+            previous, self._auto_rows = halve_rows(window, self._auto_rows, cause=out_of_memory)
             logger.warning(
-                f"auto_micro_batch: out of memory on {'this' if out_of_memory else 'another'} rank; micro-batches now "
+                f"auto_micro_batch: out of memory on {'this' if out_of_memory is not None else 'another'} rank; micro-batches now "
                 f"hold at most {self._auto_rows} row(s) (were {previous}). The optimizer step's samples and update are "
                 "unchanged; the step is recomputed."
             )
@@ -441,25 +465,33 @@ class GradAccMixin:
             self.accelerator.gradient_state._set_sync_gradients(is_last)
             try:
                 with self.backend.sync_context(is_last=is_last):
-                    total = total + self.training_step(model, inputs, num_items).to(total.device)
+                    loss = self.training_step(model, inputs, num_items)
+                window.losses.append(loss.detach())
+                total = total + loss.to(total.device)
             finally:
                 window.index = None
             flops += float(self.floating_point_ops(inputs))
-            self._track_num_input_tokens(inputs)
             if not is_last:
                 self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
         self.current_flos += flops
         return total
 
-    def _optimizer_step(self, window: Window) -> tuple[torch.Tensor, float]:
+    def _optimizer_step(self, window: Window) -> tuple[torch.Tensor, float] | None:
         """Hooks, norm and clipping, `on_pre_optimizer_step`, the step, the scheduler; returns the pre-clip norm and
-        the learning rate the step used."""
+        the learning rate the step used, or None for a non-finite step dropped on every rank (``nonfinite_steps``)."""
         window.grads_ready = True
         try:
             self.grads.run_hooks(self._accumulated_grad_hooks)
             self._call_event("on_accumulated_grads")
             max_norm = self.args.max_grad_norm
             grad_norm = self.backend.clip_grad_norm(max_norm if max_norm is not None and max_norm > 0 else float("inf"))
+            policy = "propagate" if self.backend.scales_loss else self.gradacc.nonfinite_steps  # a scaler skips itself
+            step = self.state.global_step + 1
+            if must_skip(policy, grad_norm, step=step, rank=self.args.process_index, losses=window.losses):
+                self.num_nonfinite_skipped += 1
+                self.add_log_metrics({"nonfinite_skipped": self.num_nonfinite_skipped})
+                self.backend.skip_step()
+                return None
             self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
         finally:
             window.grads_ready = False
@@ -493,16 +525,23 @@ class GradAccMixin:
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
-        if self._custom_compute_loss:  # a plain `outputs.loss` is then the mean over this micro-batch's items
-            num_items_in_batch = torch.tensor(window.current_counts.get(self.primary_denominator), device=self.args.device)
-        else:
-            num_items_in_batch = None
+        check = self._loss_check_due and window.index == 0 and self._loss_check is None
+        local = window.current_counts.get(self.primary_denominator)
+        # An overridden compute_loss gets this micro-batch's own count: a plain `outputs.loss` is then its mean.
+        num_items = torch.tensor(local, device=self.args.device) if self._custom_compute_loss else None
         with self.compute_loss_context_manager():
-            raw = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            raw = self.compute_loss(
+                model, inputs, return_outputs=check and not self._custom_compute_loss, num_items_in_batch=num_items
+            )
+        parsed = parse_loss_output(raw)
+        if check:
+            self._loss_check = start_up_check(
+                parsed, window, denominator=self.primary_denominator, builtin=not self._custom_compute_loss,
+                label_smoothing=self.head.label_smoothing, dp_world_size=self.backend.dp_world_size,
+                model_mean=partial(model_mean_loss, self.accelerator.unwrap_model(model), inputs),
+            )  # fmt: skip
         del inputs
-        parts = window.normalized_terms(
-            parse_loss_output(raw), primary=self.primary_denominator, warn_on_plain_loss=self.gradacc.warn_on_plain_loss
-        )
+        parts = window.normalized_terms(parsed, primary=self.primary_denominator, warn_on_plain_loss=self.gradacc.warn_on_plain_loss)
         window.add_term_totals(parts)
         is_last = window.is_last
         per_term = self.gradacc.backward_per_term and len(parts) > 1
@@ -527,38 +566,24 @@ class GradAccMixin:
         inputs: dict[str, torch.Tensor | Any],
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> LossTerm | torch.Tensor | tuple[Any, Any]:
-        """The micro-batch's SUM-reduced loss, from the logits, as a :class:`~hf_gradacc.LossTerm`.
+    ) -> dict[str, LossTerm] | torch.Tensor | tuple[Any, Any]:
+        """The micro-batch's SUM-reduced loss, from the logits, as a :class:`~hf_gradacc.LossTerm`; a mixture-of-experts
+        model's router terms make it ``{"main": LossTerm, "aux": LossTerm, ...}`` (see :mod:`hf_gradacc.auxiliary`).
 
-        Labels are taken out of the inputs (the model does not compute a loss of its own); seq2seq models get
-        ``decoder_input_ids`` from ``prepare_decoder_input_ids_from_labels``. Outside a training step
-        (evaluation), the mean over the batch's counted items is returned as a tensor, as `Trainer` expects.
+        Labels are taken out of the inputs (the model does not compute a loss of its own, except on the first
+        micro-batch of training, for the start-up check); seq2seq models get ``decoder_input_ids`` from
+        ``prepare_decoder_input_ids_from_labels``. Outside a training step (evaluation) the batch's mean loss is
+        returned as a tensor, as `Trainer` expects: NaN, with a warning, for a batch without a counted item.
         """
-        inputs = dict(inputs)
-        labels = inputs.pop(LABEL_KEY, None)
-        shift_labels = inputs.pop(SHIFT_LABELS_KEY, None)
-        if labels is None and shift_labels is None:
-            raise GradAccDataError(
-                f"The batch has no `{LABEL_KEY}` (keys: {sorted(inputs)}); GradAccTrainer computes the loss from the "
-                "labels. Have the data collator return `labels`, or override `compute_loss` and return a LossTerm."
-            )
-        if (
-            self.head.type == "seq2seq"
-            and labels is not None
-            and "decoder_input_ids" not in inputs
-            and "decoder_inputs_embeds" not in inputs
-        ):
-            base = unwrap_model(model)
-            if hasattr(base, "prepare_decoder_input_ids_from_labels"):
-                inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
-            else:
-                inputs[LABEL_KEY] = labels  # the model builds its decoder inputs (and a loss we do not use)
-        outputs = model(**inputs)
-        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
-        total = self.head.sum_loss(logits, labels, shift_labels)
-        result: Any = LossTerm(total=total, normalize_by=self.primary_denominator)
-        if self._window is None or self._window.index is None:  # evaluation / prediction: a mean, as Trainer expects
-            result = total / max(self.head.count_labels(labels, shift_labels), 1)
+        window = self._window
+        training = window is not None and window.index is not None
+        check = training and self._loss_check_due and self._loss_check is None and window.index == 0
+        terms, outputs = builtin_loss(
+            self.head, model, inputs, denominator=self.primary_denominator, with_model_loss=check
+        )
+        result: Any = terms if len(terms) > 1 else terms[MAIN_TERM]  # a LossTerm, as in 0.1, unless router terms
+        if not training:  # evaluation / prediction: the batch mean
+            result = batch_mean_loss(terms, self.head.count(inputs), self.primary_denominator)
         return (result, outputs) if return_outputs else result
 
     def sum_loss_from_logits(
@@ -571,13 +596,7 @@ class GradAccMixin:
         """`Trainer.get_batch_samples`: the next (up to) ``num_batches`` micro-batches of this rank. Nothing is
         counted here: the step's :class:`~hf_gradacc.window.Window` counts them over every rank in one collective,
         so the second value is always None. Override it to see or change a step's batches before they are counted."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        return batches, None
+        return list(itertools.islice(epoch_iterator, num_batches)), None
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from .errors import GradAccDataError, GradAccLossError
+from .errors import GradAccConfigError, GradAccDataError, GradAccError, GradAccLossError
 from .loss import IGNORE_INDEX, HeadType, LossOutput, normalize, token_count
 
 logger = logging.get_logger(__name__)
@@ -25,21 +25,36 @@ LABEL_KEY = "labels"
 SHIFT_LABELS_KEY = "shift_labels"
 
 # Order of the values in the per-rank count vector that is gathered once per window.
-_TOKENS, _SAMPLES, _MICRO_BATCHES = 0, 1, 2
+_TOKENS, _SAMPLES, _INPUT_TOKENS, _SEEN_TOKENS, _MICRO_BATCHES, _FAILED = range(6)
 # Denominator kinds of a streamed window, in the column order of its gathered count vector.
 STREAMED_KINDS: tuple[str, ...] = ("tokens", "samples", "custom")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MicroBatchCounts:
-    """Counted items of one micro-batch on this rank."""
+    """Counted items of one micro-batch on this rank.
+
+    Attributes:
+        num_tokens: target tokens (labels that are not ignored, after the causal shift); samples for sequence heads.
+        num_samples: rows with a label.
+        num_input_tokens: input positions the model attends to (``attention_mask == 1``; every position without a
+            mask): the ``"input_tokens"`` denominator, e.g. the tokens a mixture-of-experts router sees.
+        num_seen_tokens: input tokens as `TrainingArguments.include_num_input_tokens_seen` counts them (0 when off).
+        labelled: False when the micro-batch has no labels (only samples can be counted).
+    """
 
     num_tokens: int
     num_samples: int
+    num_input_tokens: int = 0
+    num_seen_tokens: int = 0
     labelled: bool = True
 
     def get(self, denominator: str) -> int:
-        return self.num_tokens if denominator == "tokens" else self.num_samples
+        if denominator == "tokens":
+            return self.num_tokens
+        if denominator == "input_tokens":
+            return self.num_input_tokens
+        return self.num_samples
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +65,8 @@ class WindowCounts:
     global_tokens: int
     global_samples: int
     num_micro_batches_per_rank: tuple[int, ...]
+    global_input_tokens: int = 0
+    global_seen_tokens: int = 0
 
     @property
     def labelled(self) -> bool:
@@ -64,8 +81,20 @@ class WindowCounts:
     def local_samples(self) -> int:
         return sum(mb.num_samples for mb in self.micro_batches)
 
+    @property
+    def local_input_tokens(self) -> int:
+        return sum(mb.num_input_tokens for mb in self.micro_batches)
+
+    @property
+    def local_seen_tokens(self) -> int:
+        return sum(mb.num_seen_tokens for mb in self.micro_batches)
+
     def global_count(self, denominator: str) -> int:
-        return self.global_tokens if denominator == "tokens" else self.global_samples
+        if denominator == "tokens":
+            return self.global_tokens
+        if denominator == "input_tokens":
+            return self.global_input_tokens
+        return self.global_samples
 
     def with_micro_batches(self, micro_batches: Sequence[MicroBatchCounts]) -> WindowCounts:
         """The same window (same samples, same global counts) cut into other micro-batches on this rank."""
@@ -129,27 +158,43 @@ def gather_window_counts(
     micro_batches: Sequence[MicroBatchCounts],
     all_gather: Callable[[torch.Tensor], torch.Tensor],
     device: torch.device | str = "cpu",
+    *,
+    error: BaseException | None = None,
 ) -> WindowCounts:
     """Sum the window's counts over all ranks with ONE collective.
 
-    ``all_gather`` takes this rank's int64 vector and returns a ``(world_size, 3)`` tensor (or the
-    vector itself on a single process).
+    ``all_gather`` takes this rank's int64 vector and returns a ``(world_size, n)`` tensor (or the vector itself on a
+    single process). ``error``: this rank could not count its micro-batches; every rank learns it from the same
+    collective and raises (this rank its own error, the others one naming this rank), so no rank is left waiting.
     """
     local = torch.tensor(
         [
             sum(mb.num_tokens for mb in micro_batches),
             sum(mb.num_samples for mb in micro_batches),
+            sum(mb.num_input_tokens for mb in micro_batches),
+            sum(mb.num_seen_tokens for mb in micro_batches),
             len(micro_batches),
+            int(error is not None),
         ],
         dtype=torch.int64,
         device=device,
     )
-    rows = all_gather(local).reshape(-1, 3).cpu()
+    rows = all_gather(local).reshape(-1, local.numel()).cpu()
+    failed = [r for r in range(rows.shape[0]) if int(rows[r, _FAILED])]
+    if error is not None:
+        raise error
+    if failed:
+        raise GradAccDataError(
+            f"Rank(s) {failed} could not count their micro-batches of this optimizer step (see the error on those "
+            "ranks); every rank stops here rather than wait for them."
+        )
     return WindowCounts(
         micro_batches=tuple(micro_batches),
         global_tokens=int(rows[:, _TOKENS].sum()),
         global_samples=int(rows[:, _SAMPLES].sum()),
         num_micro_batches_per_rank=tuple(int(n) for n in rows[:, _MICRO_BATCHES]),
+        global_input_tokens=int(rows[:, _INPUT_TOKENS].sum()),
+        global_seen_tokens=int(rows[:, _SEEN_TOKENS].sum()),
     )
 
 
@@ -167,7 +212,7 @@ def split_micro_batches(micro_batches: Sequence[Mapping[str, Any]], max_rows: in
     Tensors whose first dim is the row count are sliced; other values are shared by every piece.
     """
     if max_rows < 1:
-        raise ValueError(f"`max_rows` ({max_rows}) must be >= 1")
+        raise GradAccConfigError(f"`max_rows` ({max_rows}) must be >= 1")
     pieces: list[dict[str, Any]] = []
     for batch in micro_batches:
         rows = rows_of(batch)
@@ -206,6 +251,7 @@ class Window:
         final_backward_done: the step's final backward pass (the one that reduces) has run.
         grads_ready: the reduced gradient is readable (between the final backward pass and the optimizer step).
         term_totals: each named term's normalised loss summed over this window's micro-batches (for logging).
+        losses: each micro-batch's share of the logged loss on this rank (to name a non-finite one).
     """
 
     micro_batches: list[Any]
@@ -217,8 +263,10 @@ class Window:
     final_backward_done: bool = False
     grads_ready: bool = False
     term_totals: dict[str, torch.Tensor] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
     streamed_kind: str | None = None
     streamed_custom: int = 0
+    error: BaseException | None = None
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -233,8 +281,14 @@ class Window:
         defers_sync: bool = False,
     ) -> Window:
         """The window of this rank's fetched ``batches``: each one counted, the counts summed over ranks (one
-        collective)."""
-        counts = gather_window_counts([count(b) for b in batches], all_gather, device=device)
+        collective). A batch that cannot be counted on any rank stops every rank (see :func:`gather_window_counts`)."""
+        counted: list[MicroBatchCounts] = []
+        error: BaseException | None = None
+        try:
+            counted = [count(b) for b in batches]
+        except GradAccError as exc:  # agreed below: every rank stops, none waits in a later collective
+            error = exc
+        counts = gather_window_counts(counted, all_gather, device=device, error=error)
         return cls(micro_batches=batches, counts=counts, dp_world_size=dp_world_size, defers_sync=defers_sync)
 
     @classmethod
@@ -253,7 +307,12 @@ class Window:
                 inputs = next(epoch_iterator)
             except StopIteration:
                 return
-            self.counts = self.counts.with_micro_batches([*self.counts.micro_batches, count(inputs)])
+            try:
+                counted = count(inputs)
+            except GradAccError as exc:  # agreed in finish_streamed: no rank waits for this one
+                self.error = exc
+                return
+            self.counts = self.counts.with_micro_batches([*self.counts.micro_batches, counted])
             self.micro_batches = [inputs]
             yield inputs
             self.micro_batches = []
@@ -378,20 +437,29 @@ class Window:
     def finish_streamed(self, all_gather: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str) -> int | None:
         """Sum this streamed window's counts over ranks (one collective) and agree on the denominator.
 
-        Returns the global count (0: nothing counted on any rank), or None when no rank had a micro-batch.
+        Returns the global count (0: nothing counted on any rank), or None when no rank had a micro-batch. An error
+        a rank met while streaming (``self.error``) is agreed here too: every rank raises.
         """
         local = self.counts
         kind_code = -1 if self.streamed_kind is None else STREAMED_KINDS.index(self.streamed_kind)
-        vector = torch.tensor(
-            [local.local_tokens, local.local_samples, self.streamed_custom, self.num_micro_batches, kind_code],
-            device=device,
-        )
-        rows = all_gather(vector).reshape(-1, 5).cpu()
+        values = [local.local_tokens, local.local_samples, self.streamed_custom, self.num_micro_batches, kind_code]
+        values += [local.local_input_tokens, local.local_seen_tokens, int(self.error is not None)]
+        rows = all_gather(torch.tensor(values, dtype=torch.int64, device=device)).reshape(-1, len(values)).cpu()
+        failed = [r for r in range(rows.shape[0]) if int(rows[r, 7])]
+        if self.error is not None:
+            raise self.error
+        if failed:
+            raise GradAccDataError(
+                f"Rank(s) {failed} failed in this optimizer step's micro-batches (see the error on those ranks); "
+                "every rank stops here rather than wait for them."
+            )
         self.counts = replace(
             self.counts,
             global_tokens=int(rows[:, 0].sum()),
             global_samples=int(rows[:, 1].sum()),
             num_micro_batches_per_rank=tuple(int(n) for n in rows[:, 3]),
+            global_input_tokens=int(rows[:, 5].sum()),
+            global_seen_tokens=int(rows[:, 6].sum()),
         )
         if int(rows[:, 3].max()) == 0:
             return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,26 @@ SUPPORTED_BACKENDS = (
     "DeepSpeed ZeRO-1/2/3",
     "FSDP2",
 )
+
+
+# What `accelerate launch` (and TrainingArguments' `fsdp` / `deepspeed`) ask for, in the environment.
+_REQUESTED = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DEEPSPEED"}
+
+
+def check_requested_backend(dist_type: Any) -> None:
+    """Raise when the launch asked for FSDP or DeepSpeed but accelerate set up something else on this host.
+
+    On a host without GPU accelerate silently falls back to CPU DDP for an FSDP config: the run would "work" and
+    shard nothing. ``HF_GRADACC_CPU_DISTRIBUTED=1`` (:mod:`hf_gradacc.patches`) makes such configs run on CPU ranks.
+    """
+    for variable, wanted in _REQUESTED.items():
+        if os.environ.get(variable, "").strip().lower() in ("1", "true", "yes") and str(dist_type).split(".")[-1] != wanted:
+            raise UnsupportedBackendError(
+                f"The launch asks for {wanted} (`{variable}=true`, from the accelerate config or TrainingArguments) but "
+                f"accelerate set up {str(dist_type).split('.')[-1]} on this host, so the run would not be what the config "
+                "says. On a host without GPU set HF_GRADACC_CPU_DISTRIBUTED=1 to run the config on CPU ranks; "
+                "otherwise fix the accelerate config (`distributed_type`)."
+            )
 
 
 def resolve_backend(
@@ -50,6 +71,7 @@ def resolve_backend(
         *(getattr(DistributedType, n) for n in ("MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU", "MULTI_SDAA",
                                                   "MULTI_MUSA") if hasattr(DistributedType, n)),
     }
+    check_requested_backend(dist_type)
     if dist_type in ddp_types:
         return DDPBackend(accelerator, args, settings, multi_backward=multi_backward)
     if dist_type == DistributedType.DEEPSPEED:

@@ -9,7 +9,7 @@ import torch
 from transformers.utils import logging
 
 from ..config import GradAccSettings
-from ..errors import UnsupportedBackendError
+from ..errors import GradAccUsageError, UnsupportedBackendError
 
 logger = logging.get_logger(__name__)
 
@@ -90,7 +90,7 @@ class Backend:
 
     def _bound(self) -> torch.nn.Module:
         if self.model is None:
-            raise RuntimeError(f"the {self.name} backend is used before setup() bound the prepared model")
+            raise GradAccUsageError(f"the {self.name} backend is used before setup() bound the prepared model")
         return self.model
 
     @property
@@ -130,6 +130,15 @@ class Backend:
 
     def zero_grad(self) -> None:
         self._bound().zero_grad()
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether a dynamic loss scaler (fp16) owns overflow: it skips a non-finite step and lowers its scale."""
+        return getattr(self.accelerator, "scaler", None) is not None
+
+    def skip_step(self) -> None:
+        """Drop the window's accumulated gradient without stepping (a non-finite step)."""
+        self.zero_grad()
 
     def full_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Every parameter of ``model``, whole, detached, on the CPU (a collective on sharded backends: call on every

@@ -38,6 +38,12 @@ class DDPBackend(Backend):
         super().__init__(accelerator, args, settings, multi_backward=multi_backward)
         import torch.distributed as dist
 
+        if getattr(args, "n_gpu", 1) > 1:
+            raise UnsupportedBackendError(
+                f"torch.nn.DataParallel over {args.n_gpu} GPUs in one process cannot be made exact; launch one "
+                "process per GPU (`accelerate launch` / `torchrun`) or set CUDA_VISIBLE_DEVICES."
+            )
+
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() != accelerator.num_processes:
             # accelerate launch with `distributed_type: MULTI_GPU` on a host without GPU starts the ranks, but
             # without `use_cpu` each one reports ONE process: every rank would silently train alone on all the data.

@@ -390,5 +390,26 @@ class DeepSpeedBackend(Backend):
         with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
             return {n: p.detach().clone().cpu() for n, p in named}
 
+    @property
+    def scales_loss(self) -> bool:
+        engine = self.engine
+        return engine is not None and bool(engine.fp16_enabled())
+
+    def skip_step(self) -> None:
+        """Drop the window's gradient as DeepSpeed's own overflow path does: the ZeRO optimizer's gradient buffers are
+        cleared, parameters and optimizer state untouched, and ``engine.step()`` is not called."""
+        optimizer = self._bound().optimizer
+        optimizer.zero_grad(set_to_none=True)
+        release = getattr(optimizer, "_release_preflattened_grad_buffers", None)
+        if callable(release):
+            release()
+        if self.zero_stage == 3:
+            optimizer.averaged_gradients = {}
+        else:
+            for buffers in (getattr(optimizer, "averaged_gradients", None), getattr(optimizer, "all_grad_tensors", None)):
+                if isinstance(buffers, dict):
+                    for key in list(buffers):
+                        buffers[key] = None
+
     def zero_grad(self) -> None:
         """Nothing to do: ``engine.step()`` already cleared the ZeRO gradient buffers and ``param.grad``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from ..errors import GradAccConfigError
 from .base import GradAccCallback
 
 
@@ -30,7 +31,7 @@ class GradNormCallback(GradAccCallback):
 
     def __init__(self, depth: int = 2, every_step: bool = False) -> None:
         if not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"`depth` ({depth!r}) must be an int >= 1")
+            raise GradAccConfigError(f"`depth` ({depth!r}) must be an int >= 1")
         self.depth = depth
         self.every_step = every_step
         self.last_norms: dict[str, float] = {}

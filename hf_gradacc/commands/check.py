@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..errors import GradAccConfigError
 from .hf_gradacc_cli import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
 
 # The Auto class that loads a checkpoint for each task of `hf_gradacc.tiny.TASKS`.
@@ -44,6 +45,7 @@ _PROBLEM_TYPES: dict[str, str] = {
     "multi_label_classification": "multi_label_classification",
 }
 _MAX_SAMPLE_LENGTH = 40
+SCENARIOS: tuple[str, ...] = ("default", "no_loss_kwargs", "plain_compute_loss", "moe_mixtral", "moe_qwen3")
 
 
 # ---------------------------------------------------------------------------------------------- argument parsing
@@ -114,6 +116,14 @@ def check_command_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="PATH_OR_HUB_ID",
         help="a checkpoint to load with the transformers Auto classes (in float32, dropout off) instead of the "
         "built-in tiny model. The synthetic data is drawn within its vocab_size and num_labels.",
+    )
+    check.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="default",
+        help="what to check besides the head: 'no_loss_kwargs' (a causal LM with accepts_loss_kwargs=False, the VLM "
+        "case), 'plain_compute_loss' (both trainers' compute_loss overridden to return outputs.loss), 'moe_mixtral' / "
+        "'moe_qwen3' (a tiny mixture-of-experts causal LM whose loss includes its router load-balancing term)",
     )
     check.add_argument(
         "--per_device_train_batch_size",
@@ -191,7 +201,7 @@ def check_command(opts: argparse.Namespace) -> int:
     from transformers import Trainer
 
     from .. import GradAccTrainer, patches
-    from ..errors import GradAccConfigError, GradAccError, UnsupportedBackendError
+    from ..errors import GradAccError, UnsupportedBackendError
     from ..testing.one_step import compare_with_reference, one_step_args, one_step_update
     from ..testing.tiny import PaddingCollator
 
@@ -242,13 +252,22 @@ def check_command(opts: argparse.Namespace) -> int:
         trainer = backend = None
         # GradAccTrainer first: its set-up checks (e.g. a model FSDP2 cannot wrap) give a clear error where the
         # stock Trainer would fail deep inside torch.
+        router_logs: dict[str, float] = {}
         for name, trainer_class in (("GradAccTrainer", GradAccTrainer), ("Trainer", Trainer)):
+            if opts.scenario == "plain_compute_loss":
+                trainer_class = _plain_compute_loss(trainer_class)
+            micro_batches: list = []
             with _quiet_stdout(opts.verbose):
                 update, trainer = one_step_update(
-                    trainer_class, model, samples, one_step_args(**step_kwargs), data_collator=collator
-                )
-            results[name] = compare_with_reference(update, model, samples, task, data_collator=collator)
+                    trainer_class, model, samples, one_step_args(**step_kwargs), data_collator=collator,
+                    micro_batches=micro_batches,
+                )  # fmt: skip
+            results[name] = compare_with_reference(
+                update, model, samples, task, data_collator=collator, micro_batches=micro_batches
+            )
             backend = getattr(trainer, "backend", backend)
+            if name == "GradAccTrainer":
+                router_logs = {k: v for k, v in trainer.state.log_history[0].items() if k.startswith("loss")}
         results = {name: results[name] for name in ("Trainer", "GradAccTrainer")}  # the report's order
     except GradAccError as exc:
         if is_main:
@@ -275,7 +294,15 @@ def check_command(opts: argparse.Namespace) -> int:
     is_exact = ours.is_exact(opts.tolerance)
     summary = _summary_line(ours, stock, opts.tolerance, task)
     if is_main:
-        print(_format_report(setup, results, opts.tolerance, stock_note=_stock_note(stock, opts.tolerance, task)))
+        report = _format_report(setup, results, opts.tolerance, stock_note=_stock_note(stock, opts.tolerance, task))
+        if "loss/aux" in router_logs:
+            aux, total = router_logs["loss/aux"], router_logs["loss"]
+            report += "\n\n" + textwrap.fill(
+                f"router: the model's load-balancing term is {aux:.4g} of the step's loss {total:.4g} ({aux / total:.1%});"
+                " hf_gradacc weights it per micro-batch by routed tokens (logged as loss/aux).",
+                width=115, initial_indent="  ", subsequent_indent="  ",
+            )  # fmt: skip
+        print(report)
 
     curves = None
     if opts.plot:
@@ -334,6 +361,17 @@ def _load_model(opts: argparse.Namespace) -> tuple[Any, str, str, int]:
     """(model, task, name shown in the report, pad token id for the collator)."""
     from ..testing.tiny import PAD_TOKEN_ID, build_tiny_model
 
+    scenario = getattr(opts, "scenario", "default")
+    if scenario in ("no_loss_kwargs", "moe_mixtral", "moe_qwen3"):
+        if opts.model is not None or (opts.task or "causal_lm") != "causal_lm":
+            raise GradAccConfigError(f"`--scenario {scenario}` builds its own tiny causal LM: drop --model and --task")
+        if scenario == "no_loss_kwargs":
+            return _no_loss_kwargs_llama(build_tiny_model("causal_lm", seed=opts.seed)), "causal_lm", \
+                "built-in tiny model, accepts_loss_kwargs=False", PAD_TOKEN_ID
+        from ..testing.tiny import build_tiny_moe
+
+        family = "mixtral" if scenario == "moe_mixtral" else "qwen3_moe"
+        return build_tiny_moe(family, seed=opts.seed), "causal_lm", f"built-in tiny {family} MoE", PAD_TOKEN_ID
     if opts.model is None:
         task = opts.task or "causal_lm"
         return build_tiny_model(task, seed=opts.seed), task, "built-in tiny model", PAD_TOKEN_ID
@@ -345,7 +383,7 @@ def _load_model(opts: argparse.Namespace) -> tuple[Any, str, str, int]:
     source = os.path.expanduser(opts.model)
     if source.startswith((".", os.sep)) or os.path.exists(source):
         if not os.path.isdir(source):
-            raise ValueError(
+            raise GradAccConfigError(
                 f"`--model` ({opts.model!r}) is not a directory; pass a save_pretrained folder or a Hub id"
             )
     config = AutoConfig.from_pretrained(source)
@@ -367,7 +405,7 @@ def _load_model(opts: argparse.Namespace) -> tuple[Any, str, str, int]:
             model = auto_class.from_pretrained(source, config=config, dtype=torch.float32, **kwargs)
         except ValueError as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(
+            raise GradAccConfigError(
                 f"{_AUTO_CLASSES[task]} cannot load {opts.model!r} for `--task {task}` ({reason}); pick another --task"
             ) from None
     for module in model.modules():
@@ -403,7 +441,7 @@ def _load_from_architectures(path: str, config: Any) -> Any:
         model_class = getattr(transformers, name, None)
         if model_class is not None:
             return model_class.from_pretrained(path, config=config, dtype=torch.float32)
-    raise ValueError(
+    raise GradAccConfigError(
         f"cannot tell which head to load for {path!r} from its config (`architectures` = {architectures or None}); "
         f"pass --task, one of {', '.join(TASKS)}"
     )
@@ -415,7 +453,7 @@ def _task_of(model: Any) -> str:
 
     head = detect_head_type(model)
     if head is None or head not in TASKS:
-        raise ValueError(
+        raise GradAccConfigError(
             f"cannot tell the task of {type(model).__name__} from its class; pass --task, one of {', '.join(TASKS)}"
         )
     if head != "sequence_classification":
@@ -451,7 +489,7 @@ def _synthetic_samples(task: str, num_samples: int, seed: int, model: Any) -> li
     ):
         return samples
     if vocab_size < 4:
-        raise ValueError(f"the model's `vocab_size` ({vocab_size}) is too small for synthetic data (needs >= 4)")
+        raise GradAccConfigError(f"the model's `vocab_size` ({vocab_size}) is too small for synthetic data (needs >= 4)")
 
     g = torch.Generator().manual_seed(seed + 1)
 
@@ -560,8 +598,10 @@ def _verdict(comparison: Any, tolerance: float) -> str:
 
 
 def _off_by(comparison: Any) -> str:
-    if abs(comparison.cosine - 1.0) < 1e-4:
+    if abs(comparison.cosine - 1.0) < 1e-4 and abs(comparison.norm_ratio - 1.0) >= 0.05:
         return f"off by {comparison.norm_ratio:.1f}x"
+    if abs(comparison.norm_ratio - 1.0) < 0.05:
+        return f"off by {comparison.relative_error:.1e} (relative)"
     return f"off: cosine {comparison.cosine:.3f}, norm {comparison.norm_ratio:.2f}x"
 
 
@@ -573,6 +613,11 @@ def _stock_note(stock: Any, tolerance: float, task: str) -> str:
             "accepts_loss_kwargs=False models break it (try --task sequence_classification)."
             if task == "causal_lm"
             else "The stock Trainer is exact here too."
+        )
+    if abs(stock.cosine - 1.0) < 1e-4 and abs(stock.norm_ratio - 1.0) < 0.05:
+        return (
+            f"The stock Trainer's step is {stock.relative_error:.1e} off the full-batch step (relative): a term of the "
+            "loss (e.g. a mixture-of-experts router term) is weighted per micro-batch instead of by its share of the step."
         )
     if abs(stock.cosine - 1.0) < 1e-4:
         return (
@@ -615,3 +660,23 @@ def _format_report(setup: _Setup, results: dict[str, Any], tolerance: float, *, 
         )
     lines += ["", textwrap.fill(stock_note, width=115, initial_indent="  ", subsequent_indent="  ")]
     return "\n".join(lines)
+
+
+def _no_loss_kwargs_llama(model: Any) -> Any:
+    """The tiny causal LM as a class that, like most VLMs, tells the Trainer its loss ignores num_items_in_batch."""
+    from transformers import LlamaForCausalLM
+
+    cls = type("LlamaNoLossKwargsForCausalLM", (LlamaForCausalLM,), {"accepts_loss_kwargs": False})
+    twin = cls(model.config)
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def _plain_compute_loss(trainer_class: type) -> type:
+    """``trainer_class`` whose compute_loss returns the model's ``outputs.loss`` (the common override)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    return type(f"PlainLoss{trainer_class.__name__}", (trainer_class,), {"compute_loss": compute_loss})

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from ..errors import GradAccConfigError, GradAccUsageError  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
 DATASETS: tuple[str, ...] = ("equal", "long_tailed")
@@ -109,7 +111,7 @@ class BenchRow:
 def make_bench_samples(settings: BenchSettings, dataset: str, num_samples: int) -> list[dict[str, Any]]:
     """Causal-LM samples with ``equal`` or ``long_tailed`` lengths; a random prompt prefix of each row is ignored."""
     if dataset not in DATASETS:
-        raise ValueError(f"`dataset` ({dataset!r}) must be one of {DATASETS}")
+        raise GradAccConfigError(f"`dataset` ({dataset!r}) must be one of {DATASETS}")
     g = torch.Generator().manual_seed(settings.seed + (0 if dataset == "equal" else 1))
     samples = []
     for _ in range(num_samples):
@@ -277,7 +279,7 @@ def _run_in_turns(trainers: dict[str, Any], turns: dict[str, Any], num_steps: in
 
     def check(name: str) -> None:
         if turns[name].error is not None:
-            raise RuntimeError(f"bench: the {name} trainer failed") from turns[name].error
+            raise GradAccUsageError(f"bench: the {name} trainer failed") from turns[name].error
 
     for name in names:
         threads[name] = threading.Thread(target=target, args=(name,), name=f"bench-{name}", daemon=True)
@@ -347,7 +349,7 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
 
     unknown = sorted(set(settings.trainers) - set(TRAINERS))
     if unknown or "stock" not in settings.trainers:
-        raise ValueError(f"`trainers` ({settings.trainers}) must include 'stock' and come from {TRAINERS}")
+        raise GradAccConfigError(f"`trainers` ({settings.trainers}) must include 'stock' and come from {TRAINERS}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     num_samples = (
         settings.per_device_train_batch_size
@@ -418,7 +420,7 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
 def run_benchmark(settings: BenchSettings) -> list[BenchRow]:
     """Every dataset of ``settings``; the trainers of one dataset are measured in one interleaved run."""
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"bench: `device` is {settings.device!r} but torch.cuda.is_available() is False")
+        raise GradAccUsageError(f"bench: `device` is {settings.device!r} but torch.cuda.is_available() is False")
     if settings.num_threads is not None and not settings.device.startswith("cuda"):
         torch.set_num_threads(settings.num_threads)
     rows = []

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from ..errors import GradAccConfigError, GradAccError
 from .one_step import one_step_args
 from .reference import full_batch_loss
 from .tiny import ListDataset
@@ -31,7 +32,7 @@ FULL_BATCH_LABEL = "one full batch per step (ground truth)"
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
 
 
-class PlotDependencyError(ImportError):
+class PlotDependencyError(GradAccError, ImportError):
     """matplotlib is needed to draw and is not installed."""
 
 
@@ -119,7 +120,7 @@ def train_loss_curves(
     from ..trainer import GradAccTrainer
 
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"`optimizer` ({optimizer!r}) must be one of {OPTIMIZERS}")
+        raise GradAccConfigError(f"`optimizer` ({optimizer!r}) must be one of {OPTIMIZERS}")
     bs, gas = per_device_train_batch_size, gradient_accumulation_steps
 
     def training_args() -> TrainingArguments:
@@ -139,7 +140,7 @@ def train_loss_curves(
     window_size = bs * gas * args.world_size
     num_steps = len(samples) // window_size
     if num_steps == 0 or len(samples) % window_size:
-        raise ValueError(
+        raise GradAccConfigError(
             f"`samples` ({len(samples)}) must be a positive multiple of batch x GA x processes ({window_size})"
         )
     samples = list(samples)

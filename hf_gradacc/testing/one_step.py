@@ -58,12 +58,14 @@ def one_step_update(
     data_collator: Callable | None = None,
     train_dataset: Any = None,
     trainer_kwargs: dict[str, Any] | None = None,
+    micro_batches: list[list[dict[str, Any]]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], Trainer]:
     """Train a deep copy of ``model`` for one optimizer step; return ``{name: initial - final}`` and the trainer.
 
     With :func:`one_step_args` the step is SGD(lr=1) built by the Trainer itself, so the update is the accumulated
     gradient on every backend. Final parameters are gathered in full (ZeRO-3 / FSDP2 shards) through the backend
-    when the trainer has one.
+    when the trainer has one. ``micro_batches`` (a list) receives the samples of every micro-batch the step ran, on
+    every rank (what the reference of a router loss needs).
     """
     model = copy.deepcopy(model)
     initial = {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad}
@@ -72,14 +74,18 @@ def one_step_update(
         # Arguments not made by one_step_args: keep the promise of a plain SGD(lr=1) step.
         params = [p for p in model.parameters() if p.requires_grad]
         kwargs["optimizers"] = (torch.optim.SGD(params, lr=1.0), None)
+    collate = data_collator or PaddingCollator()
+    recorder = _Recorder(collate, samples) if micro_batches is not None else None
     trainer = trainer_class(
         model=model,
         args=args,
         train_dataset=train_dataset if train_dataset is not None else ListDataset(samples),
-        data_collator=data_collator or PaddingCollator(),
+        data_collator=recorder or collate,
         **kwargs,
     )
     trainer.train()
+    if recorder is not None:
+        micro_batches.extend(recorder.all_ranks())
     final = full_parameters(trainer)
     update = {n: initial[n] - final[n].float() for n in initial if n in final}
     return update, trainer
@@ -103,7 +109,37 @@ def compare_with_reference(
     *,
     data_collator: Callable | None = None,
     ignore_index: int = -100,
+    micro_batches: Sequence[Sequence[dict[str, Any]]] | None = None,
 ) -> Comparison:
-    """Compare ``update`` with the float64 full-batch gradient of ``model`` over all ``samples``."""
-    reference = reference_gradients(model, samples, task, data_collator or PaddingCollator(), ignore_index)
+    """Compare ``update`` with the float64 full-batch gradient of ``model`` over all ``samples`` (``micro_batches``:
+    the step's micro-batches, for a model with a router loss)."""
+    reference = reference_gradients(
+        model, samples, task, data_collator or PaddingCollator(), ignore_index, micro_batches=micro_batches
+    )
     return compare(update, reference)
+
+
+class _Recorder:
+    """A collator that remembers the samples of every micro-batch it collates (matched by content)."""
+
+    def __init__(self, collate: Callable, samples: Sequence[dict[str, Any]]) -> None:
+        self.collate = collate
+        self.by_key = {_key(s): s for s in samples}
+        self.batches: list[list[dict[str, Any]]] = []
+
+    def __call__(self, features: Sequence[dict[str, Any]]) -> Any:
+        self.batches.append([self.by_key[_key(f)] for f in features])
+        return self.collate(features)
+
+    def all_ranks(self) -> list[list[dict[str, Any]]]:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return self.batches
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.batches)
+        return [batch for rank_batches in gathered for batch in rank_batches]
+
+
+def _key(sample: dict[str, Any]) -> str:
+    return repr((list(sample["input_ids"]), sample.get("labels")))

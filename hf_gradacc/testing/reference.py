@@ -3,6 +3,11 @@
 It shares no code with the trainer: a deep copy of the initial model in float64, every sample of the optimizer
 step (from every rank) in ONE forward pass, and each head family's loss written out by hand (explicit shift,
 explicit ignore mask, explicit mean over the full batch). Only torch is used.
+
+A mixture-of-experts model's router load-balancing loss is a function of each forward's routing, so its reference
+is defined per micro-batch: ``sum_m (routed tokens of m / routed tokens of the step) x coef x aux(m)``, with
+``aux(m)`` the model's own loss of micro-batch ``m`` in float64 (eager experts) and routed tokens its
+``attention_mask`` ones. The caller passes the micro-batches' samples (``micro_batches``) for that term.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..errors import GradAccConfigError, GradAccUsageError  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,8 @@ def full_batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], task
         dec[:, 1:] = labels[:, :-1]
         dec = dec.masked_fill(dec == ignore, model.config.pad_token_id)
         inputs["decoder_input_ids"] = dec
+    if getattr(model.config, "output_router_logits", False):
+        inputs["output_router_logits"] = False  # the router term has its own, per-micro-batch reference
     logits = model(**inputs).logits.double()
     if task == "causal_lm":
         total, count = _row_mean_cross_entropy(logits[:, :-1, :], labels[:, 1:], ignore)
@@ -62,7 +71,39 @@ def full_batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], task
         # BCE with logits written out: max(x,0) - x*y + log(1 + exp(-|x|))
         per = logits.clamp(min=0) - logits * y + torch.log1p(torch.exp(-logits.abs()))
         return per.mean()
-    raise ValueError(f"unknown task {task!r}")
+    raise GradAccConfigError(f"unknown task {task!r}")
+
+
+def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of ``model`` in eval mode; mixture-of-experts experts switched to the eager implementation
+    (their grouped-mm kernel has no float64 CPU version)."""
+    ref = copy.deepcopy(model).double().eval()
+    if callable(getattr(ref, "set_experts_implementation", None)) and getattr(ref.config, "_experts_implementation", None):
+        ref.set_experts_implementation("eager")
+    return ref
+
+
+def router_coefficient(model: torch.nn.Module) -> float | None:
+    """The router load-balancing coefficient the model uses (None: the model returns no such loss)."""
+    if not getattr(model.config, "output_router_logits", False):
+        return None
+    for name in ("router_aux_loss_coef", "aux_loss_coef"):
+        value = getattr(model, name, getattr(model.config, name, None))
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def router_loss(model: torch.nn.Module, micro_batches: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """``sum_m (routed_m / routed) * coef * aux_m`` over the step's micro-batches (already collated, float64)."""
+    coef = router_coefficient(model)
+    routed = [int(mb["attention_mask"].sum()) for mb in micro_batches]
+    total = torch.zeros((), dtype=torch.float64)
+    for mb, n in zip(micro_batches, routed):
+        inputs = {k: v for k, v in mb.items() if k != "labels"}
+        aux = model(**inputs, output_router_logits=True).aux_loss
+        total = total + coef * aux.double() * n / sum(routed)
+    return total
 
 
 def reference_gradients(
@@ -71,13 +112,24 @@ def reference_gradients(
     task: str,
     collate: Callable[[Sequence[dict[str, Any]]], dict[str, torch.Tensor]],
     ignore: int = -100,
+    *,
+    micro_batches: Sequence[Sequence[dict[str, Any]]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Float64 gradient of the full-batch loss over ``samples``, keyed by parameter name (trainable only)."""
-    ref = copy.deepcopy(model).double().eval()
+    """Float64 gradient of the full-batch loss over ``samples``, keyed by parameter name (trainable only).
+
+    ``micro_batches``: the samples of each micro-batch of the step (every rank's), needed only when the model
+    returns a router load-balancing loss (then it is required).
+    """
+    ref = float64_copy(model)
     batch = collate(list(samples))
     batch = {k: (v.double() if v.is_floating_point() else v) for k, v in batch.items()}
     ref.zero_grad()
-    full_batch_loss(ref, batch, task, ignore).backward()
+    loss = full_batch_loss(ref, batch, task, ignore)
+    if router_coefficient(ref) is not None:
+        if micro_batches is None:
+            raise GradAccConfigError("the model returns a router loss: pass the step's `micro_batches` to the reference")
+        loss = loss + router_loss(ref, [collate(list(mb)) for mb in micro_batches])
+    loss.backward()
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.requires_grad and p.grad is not None}
 
 
@@ -85,7 +137,7 @@ def compare(update: dict[str, torch.Tensor], reference: dict[str, torch.Tensor])
     """Relative error, cosine and norm ratio of ``update`` against ``reference`` over their shared names."""
     names = [n for n in reference if n in update]
     if not names:
-        raise ValueError("no parameter name is shared by the update and the reference")
+        raise GradAccConfigError("no parameter name is shared by the update and the reference")
     u = torch.cat([update[n].double().reshape(-1) for n in names])
     r = torch.cat([reference[n].double().reshape(-1) for n in names])
     rn = r.norm()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..errors import GradAccConfigError, GradAccUsageError  # noqa: F401
 from ..loss import IGNORE_INDEX
 
 TASKS: tuple[str, ...] = (
@@ -93,7 +94,47 @@ def build_tiny_model(task: str = "causal_lm", *, seed: int = 0, hidden_size: int
     if task == "multi_label_classification":
         config = tf.BertConfig(num_labels=NUM_LABELS, problem_type="multi_label_classification", **bert_kwargs)
         return tf.BertForSequenceClassification(config)
-    raise ValueError(f"`task` ({task!r}) must be one of {TASKS}")
+    raise GradAccConfigError(f"`task` ({task!r}) must be one of {TASKS}")
+
+
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe")
+
+
+def build_tiny_moe(
+    family: str = "mixtral", *, seed: int = 0, hidden_size: int = 16, router_aux_loss_coef: float = 0.02
+) -> torch.nn.Module:
+    """A tiny mixture-of-experts causal LM (2 layers, 4 experts, top-2) that returns its router load-balancing loss
+    (``output_router_logits=True``) and adds ``router_aux_loss_coef * aux_loss`` to its own loss.
+
+    Example:
+        ```python
+        from hf_gradacc.testing.tiny import build_tiny_moe
+        model = build_tiny_moe("qwen3_moe")
+        ```
+    """
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=hidden_size // 2,
+        max_position_embeddings=512,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=router_aux_loss_coef,
+        output_router_logits=True,
+        tie_word_embeddings=False,
+        pad_token_id=PAD_TOKEN_ID,
+    )
+    if family == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(num_local_experts=4, **common))
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=2 * hidden_size, **common))
+    raise GradAccConfigError(f"`family` ({family!r}) must be one of {MOE_FAMILIES}")
 
 
 def make_samples(
@@ -112,7 +153,7 @@ def make_samples(
     rows have no counted label at all.
     """
     if task not in TASKS:
-        raise ValueError(f"`task` ({task!r}) must be one of {TASKS}")
+        raise GradAccConfigError(f"`task` ({task!r}) must be one of {TASKS}")
     g = torch.Generator().manual_seed(seed)
     samples: list[dict[str, Any]] = []
     for i in range(num_samples):

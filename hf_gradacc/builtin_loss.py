@@ -1,0 +1,98 @@
+"""The built-in loss of :class:`~hf_gradacc.GradAccMixin`: the labels are taken out, the model runs, and the loss is
+the head's SUM over the micro-batch plus the router terms the model returns (:mod:`hf_gradacc.auxiliary`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers.utils import logging
+
+from .auxiliary import model_aux_terms
+from .errors import GradAccDataError, GradAccLossError
+from .heads import Head, input_token_count, unwrap_model
+from .loss import LossOutput, LossTerm
+from .window import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts
+
+logger = logging.get_logger(__name__)
+
+MAIN_TERM = "main"
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """``outputs.logits`` (a ModelOutput / dict, or the first element of a tuple), or a clear error."""
+    if torch.is_tensor(outputs):
+        raise GradAccLossError(
+            f"The model returned a bare tensor of shape {tuple(outputs.shape)}, not an output with `logits`; "
+            "hf_gradacc cannot tell logits from a loss. Return a ModelOutput (or a dict with `logits`), or override "
+            "`compute_loss` and return an hf_gradacc.LossTerm."
+        )
+    if isinstance(outputs, Mapping):
+        logits = outputs.get("logits")
+        if torch.is_tensor(logits):
+            return logits
+        raise GradAccLossError(
+            f"The model's output has no `logits` (keys: {sorted(outputs.keys())}); the built-in loss is computed from "
+            "them. Override `compute_loss` and return an hf_gradacc.LossTerm built from what the model returns."
+        )
+    if isinstance(outputs, (tuple, list)) and outputs and torch.is_tensor(outputs[0]):
+        return outputs[0]
+    raise GradAccLossError(f"The model returned a {type(outputs).__name__}; expected a ModelOutput with `logits`.")
+
+
+def builtin_loss(
+    head: Head, model: nn.Module, inputs: Mapping[str, Any], *, denominator: str, with_model_loss: bool = False
+) -> tuple[dict[str, LossTerm], Any]:
+    """``({"main": LossTerm(head's sum, denominator), "aux": ..., ...}, outputs)`` for one micro-batch.
+
+    ``with_model_loss``: the labels are ALSO given to the model, so that ``outputs.loss`` is the model's own loss of
+    this micro-batch (the start-up consistency check), computed from the same logits.
+    """
+    inputs = dict(inputs)
+    labels = inputs.pop(LABEL_KEY, None)
+    shift_labels = inputs.pop(SHIFT_LABELS_KEY, None)
+    if labels is None and shift_labels is None:
+        raise GradAccDataError(
+            f"The batch has no `{LABEL_KEY}` (keys: {sorted(inputs)}); GradAccTrainer computes the loss from the "
+            "labels. Have the data collator return `labels`, or override `compute_loss` and return a LossTerm."
+        )
+    if head.type == "seq2seq" and labels is not None and not {"decoder_input_ids", "decoder_inputs_embeds"} & set(inputs):
+        base = unwrap_model(model)
+        if hasattr(base, "prepare_decoder_input_ids_from_labels"):
+            inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
+        else:
+            inputs[LABEL_KEY] = labels  # the model builds its decoder inputs (and a loss that is not used)
+    if with_model_loss and labels is not None:
+        inputs[LABEL_KEY] = labels
+        if shift_labels is not None:
+            inputs[SHIFT_LABELS_KEY] = shift_labels
+    outputs = model(**inputs)
+    terms = {MAIN_TERM: LossTerm(total=head.sum_loss(logits_of(outputs), labels, shift_labels), normalize_by=denominator)}
+    terms.update(model_aux_terms(model, outputs, input_token_count(inputs)))
+    return terms, outputs
+
+
+def model_mean_loss(model: nn.Module, inputs: Mapping[str, Any]) -> float | None:
+    """The model's own loss of ``inputs`` (labels included) in one forward without gradient: the micro-batch mean an
+    overridden ``compute_loss`` is expected to return. None when the model computes no loss or fails to."""
+    try:
+        with torch.no_grad():
+            outputs = model(**inputs)
+    except Exception:  # noqa: BLE001 - a model that cannot compute its own loss is simply not checked
+        return None
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
+    return float(loss.detach().float()) if torch.is_tensor(loss) and loss.numel() == 1 else None
+
+
+def batch_mean_loss(terms: dict[str, LossTerm], counts: MicroBatchCounts, denominator: str) -> torch.Tensor:
+    """One evaluation batch's mean loss: each term over its own count in the batch. NaN, with a warning, when the batch
+    has no counted item (as the stock Trainer's 0/0), never 0, which would pull the evaluation mean down."""
+    if counts.get(denominator) == 0:
+        logger.warning_once(
+            f"An evaluation batch has no counted {denominator} (every label is ignored): its loss is NaN, as with the "
+            "stock Trainer, never 0."
+        )
+        return torch.full((), float("nan"), device=terms[MAIN_TERM].total.device)
+    return LossOutput(terms).batch_mean(counts)
