@@ -52,7 +52,7 @@ def full_batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], task
         dec[:, 1:] = labels[:, :-1]
         dec = dec.masked_fill(dec == ignore, model.config.pad_token_id)
         inputs["decoder_input_ids"] = dec
-    if getattr(model.config, "output_router_logits", False):
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
         inputs["output_router_logits"] = False  # the router term has its own, per-micro-batch reference
     logits = model(**inputs).logits.double()
     if task == "causal_lm":
@@ -78,17 +78,19 @@ def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A float64 copy of ``model`` in eval mode; mixture-of-experts experts switched to the eager implementation
     (their grouped-mm kernel has no float64 CPU version)."""
     ref = copy.deepcopy(model).double().eval()
-    if callable(getattr(ref, "set_experts_implementation", None)) and getattr(ref.config, "_experts_implementation", None):
+    config = getattr(ref, "config", None)
+    if callable(getattr(ref, "set_experts_implementation", None)) and getattr(config, "_experts_implementation", None):
         ref.set_experts_implementation("eager")
     return ref
 
 
 def router_coefficient(model: torch.nn.Module) -> float | None:
     """The router load-balancing coefficient the model uses (None: the model returns no such loss)."""
-    if not getattr(model.config, "output_router_logits", False):
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
         return None
     for name in ("router_aux_loss_coef", "aux_loss_coef"):
-        value = getattr(model, name, getattr(model.config, name, None))
+        value = getattr(model, name, getattr(config, name, None))
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
     return None
