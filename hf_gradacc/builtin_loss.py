@@ -14,6 +14,7 @@ from .auxiliary import model_aux_terms
 from .errors import GradAccDataError, GradAccLossError
 from .heads import Head, input_token_count, unwrap_model
 from .loss import LossOutput, LossTerm
+from .memory import is_out_of_memory
 from .window import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts
 
 logger = logging.get_logger(__name__)
@@ -64,11 +65,19 @@ def builtin_loss(
             inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
         else:
             inputs[LABEL_KEY] = labels  # the model builds its decoder inputs (and a loss that is not used)
+    outputs = None
     if with_model_loss and labels is not None:
-        inputs[LABEL_KEY] = labels
-        if shift_labels is not None:
-            inputs[SHIFT_LABELS_KEY] = shift_labels
-    outputs = model(**inputs)
+        try:  # the model's own loss from the same forward; a model that cannot compute one is simply not checked
+            with_labels = {**inputs, LABEL_KEY: labels.long() if not labels.is_floating_point() else labels}
+            if shift_labels is not None:
+                with_labels[SHIFT_LABELS_KEY] = shift_labels.long()
+            outputs = model(**with_labels)
+        except Exception as error:  # noqa: BLE001
+            if is_out_of_memory(error):
+                raise  # auto_micro_batch's business, not the check's
+            logger.warning_once(f"The start-up loss check is skipped: the model cannot compute its own loss ({error}).")
+    if outputs is None:
+        outputs = model(**inputs)
     terms = {MAIN_TERM: LossTerm(total=head.sum_loss(logits_of(outputs), labels, shift_labels), normalize_by=denominator)}
     terms.update(model_aux_terms(model, outputs, input_token_count(inputs)))
     return terms, outputs

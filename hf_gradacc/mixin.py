@@ -15,8 +15,8 @@ flight, because `Trainer`'s ``training_step`` / ``compute_loss`` signatures cann
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from functools import partial
@@ -33,7 +33,7 @@ from .callbacks.base import GradAccCallback
 from .checkpoints import latest_complete_checkpoint
 from .checks import LossCheck, agree, start_up_check
 from .config import GradAccSettings, resolve_settings
-from .data.loader import adjust_training_values, build_train_dataloader, plan_epoch
+from .data.loader import adjust_training_values, build_train_dataloader, check_train_dataset, fetch_batches, plan_epoch
 from .distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .errors import GradAccConfigError, GradAccDataError, GradAccUsageError
 from .grads import AccumulatedGradHook, GradAccess
@@ -464,7 +464,7 @@ class GradAccMixin:
             is_last = window.is_last
             self.accelerator.gradient_state._set_sync_gradients(is_last)
             try:
-                with self.backend.sync_context(is_last=is_last):
+                with self.backend.sync_context(is_last=is_last), self.training_step_context():
                     loss = self.training_step(model, inputs, num_items)
                 window.losses.append(loss.detach())
                 total = total + loss.to(total.device)
@@ -513,6 +513,12 @@ class GradAccMixin:
         self.control = handler.call_event(event, self.args, self.state, self.control, **kwargs)
 
     # ------------------------------------------------------------------ one micro-batch (Trainer hooks)
+    def training_step_context(self) -> contextlib.AbstractContextManager:
+        """A context entered around each micro-batch's ``training_step``, its forward AND backward passes; none by
+        default. A subclass that must wrap the whole step (TRL's activation offloading, see :mod:`hf_gradacc.trl`)
+        returns it here instead of overriding ``training_step``, which would switch the backend to multi-backward mode."""
+        return contextlib.nullcontext()
+
     def training_step(
         self,
         model: nn.Module,
@@ -529,6 +535,7 @@ class GradAccMixin:
         local = window.current_counts.get(self.primary_denominator)
         # An overridden compute_loss gets this micro-batch's own count: a plain `outputs.loss` is then its mean.
         num_items = torch.tensor(local, device=self.args.device) if self._custom_compute_loss else None
+        untouched = dict(inputs) if check else None  # an override may pop the labels the check needs
         with self.compute_loss_context_manager():
             raw = self.compute_loss(
                 model, inputs, return_outputs=check and not self._custom_compute_loss, num_items_in_batch=num_items
@@ -538,7 +545,7 @@ class GradAccMixin:
             self._loss_check = start_up_check(
                 parsed, window, denominator=self.primary_denominator, builtin=not self._custom_compute_loss,
                 label_smoothing=self.head.label_smoothing, dp_world_size=self.backend.dp_world_size,
-                model_mean=partial(model_mean_loss, self.accelerator.unwrap_model(model), inputs),
+                model_mean=partial(model_mean_loss, self.accelerator.unwrap_model(model), untouched),
             )  # fmt: skip
         del inputs
         parts = window.normalized_terms(parsed, primary=self.primary_denominator, warn_on_plain_loss=self.gradacc.warn_on_plain_loss)
@@ -596,20 +603,24 @@ class GradAccMixin:
         """`Trainer.get_batch_samples`: the next (up to) ``num_batches`` micro-batches of this rank. Nothing is
         counted here: the step's :class:`~hf_gradacc.window.Window` counts them over every rank in one collective,
         so the second value is always None. Override it to see or change a step's batches before they are counted."""
-        return list(itertools.islice(epoch_iterator, num_batches)), None
+        return fetch_batches(epoch_iterator, num_batches), None
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self):
         """`Trainer.get_train_dataloader`; with ``regroup_micro_batches`` / ``max_tokens_per_micro_batch`` its batch
         sampler is a :class:`~hf_gradacc.data.WindowRegroupBatchSampler` (same samples per optimizer step, less
         padding). Iterable datasets keep the stock loader (a warning says so)."""
+        check_train_dataset(self.train_dataset)
         dataloader = build_train_dataloader(self, self.gradacc)
         return dataloader if dataloader is not None else super().get_train_dataloader()
 
     def set_initial_training_values(self, args, dataloader):
         """`Trainer.set_initial_training_values`, counting optimizer steps as windows when a token budget gives
-        windows more than ``gradient_accumulation_steps`` micro-batches."""
-        return adjust_training_values(dataloader, args, super().set_initial_training_values(args, dataloader))
+        windows more than ``gradient_accumulation_steps`` micro-batches, and agreed across ranks (one collective)."""
+        values = super().set_initial_training_values(args, dataloader)
+        world = self.backend.dp_world_size
+        gather = partial(_gather_on, self.backend, self.args.device) if world > 1 else None
+        return adjust_training_values(dataloader, args, values, gather)
 
     # ------------------------------------------------------------------ logging, evaluation, the end
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -653,3 +664,6 @@ class GradAccMixin:
         finish_distributed()  # barrier, destroy the group, let gloo threads finish
         super().end()  # trackers; the group is already gone
 
+
+def _gather_on(backend: Backend, device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+    return backend.all_gather(tensor.to(device)).cpu()

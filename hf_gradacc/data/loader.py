@@ -3,16 +3,18 @@ micro-batches of each optimizer step that the training loop reads from it."""
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from transformers.utils import logging
 
-from ..errors import GradAccConfigError
+from ..errors import GradAccConfigError, GradAccDataError
 from .regroup import WindowRegroupBatchSampler, sample_lengths
 
 if TYPE_CHECKING:
@@ -133,21 +135,31 @@ def build_train_dataloader(trainer: Trainer, settings: GradAccSettings) -> DataL
     return dataloader
 
 
-def adjust_training_values(dataloader: Any, args: TrainingArguments, values: tuple) -> tuple:
-    """Fix `Trainer.set_initial_training_values` for a regrouping dataloader whose windows hold more than
-    ``gradient_accumulation_steps`` micro-batches (token budget): optimizer steps per epoch are the windows, not
-    ``len(dataloader) / gradient_accumulation_steps``.
+def adjust_training_values(
+    dataloader: Any, args: TrainingArguments, values: tuple, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple:
+    """Fix `Trainer.set_initial_training_values`:
+
+    - for a regrouping dataloader whose windows hold more than ``gradient_accumulation_steps`` micro-batches (token
+      budget), optimizer steps per epoch are the windows, not ``len(dataloader) / gradient_accumulation_steps``;
+    - with ``all_gather`` (several ranks), the loop's lengths are agreed: every rank takes the largest steps per
+      epoch, batches per epoch and ``max_steps``. Each rank computes them from its OWN dataloader, and ranks dealt
+      different numbers of batches (``even_batches=False``) would otherwise leave the loop at different steps and
+      pair unrelated collectives. A rank with fewer batches then meets empty windows, which the loop handles on
+      every rank alike.
     """
+    num_train_epochs, num_update_steps, num_examples, num_train_samples, total_batch, steps_in_epoch, max_steps = values
     sampler = find_regroup_sampler(dataloader)
-    if sampler is None or sampler.max_tokens_per_micro_batch is None:
-        return values
-    num_train_epochs, _, num_examples, num_train_samples, total_batch, steps_in_epoch, max_steps = values
-    num_windows = max(sampler.num_windows, 1)
-    if args.max_steps > 0:
-        num_train_epochs = math.ceil(max_steps / num_windows)
-    else:
-        max_steps = math.ceil(args.num_train_epochs * num_windows)
-    return (num_train_epochs, num_windows, num_examples, num_train_samples, total_batch, steps_in_epoch, max_steps)
+    if sampler is not None and sampler.max_tokens_per_micro_batch is not None:
+        num_update_steps = max(sampler.num_windows, 1)
+        if args.max_steps > 0:
+            num_train_epochs = math.ceil(max_steps / num_update_steps)
+        else:
+            max_steps = math.ceil(args.num_train_epochs * num_update_steps)
+    if all_gather is not None and None not in (num_update_steps, steps_in_epoch, max_steps):
+        local = torch.tensor([num_update_steps, steps_in_epoch, max_steps], dtype=torch.int64)
+        num_update_steps, steps_in_epoch, max_steps = (int(v) for v in all_gather(local).reshape(-1, 3).max(dim=0).values)
+    return (num_train_epochs, num_update_steps, num_examples, num_train_samples, total_batch, steps_in_epoch, max_steps)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -217,3 +229,27 @@ def plan_epoch(
         step=skipped_batches - 1,
         resumed_mid_epoch=steps_trained_in_current_epoch > 0,
     )
+
+
+def check_train_dataset(dataset: Any) -> None:
+    """A clear error for an empty map-style training dataset (torch's sampler would fail on ``num_samples=0``)."""
+    if dataset is not None and not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__"):
+        if len(dataset) == 0:
+            raise GradAccDataError(
+                "`train_dataset` is empty (0 samples): there is nothing to train on. Check the filtering or the split "
+                "that produced it."
+            )
+
+
+def fetch_batches(epoch_iterator: Iterator[Any], num_batches: int) -> list[Any]:
+    """Up to ``num_batches`` batches of ``epoch_iterator``; an IterableDataset that yields nothing at all gets a clear
+    error (accelerate's batch dispatcher raises "Batch does not contain any data" for it)."""
+    try:
+        return list(itertools.islice(epoch_iterator, num_batches))
+    except ValueError as error:
+        if "Batch does not contain any data" not in str(error):
+            raise
+        raise GradAccDataError(
+            "The training dataset yielded no batch: an empty IterableDataset (or one whose samples were all filtered "
+            "out). Check the data pipeline that feeds `train_dataset`."
+        ) from error

@@ -272,7 +272,14 @@ def _read(path: Path) -> str:
 
 
 def _launch_subprocesses(
-    script: Path, nproc: int, args: Sequence[str], env: dict[str, str], port: int, logs: Path, deadline: float
+    script: Path,
+    nproc: int,
+    args: Sequence[str],
+    env: dict[str, str],
+    port: int,
+    logs: Path,
+    deadline: float,
+    failure_grace: float = _FAILURE_GRACE_S,
 ) -> tuple[list[int | None], list[tuple[str, str]], bool]:
     procs: list[subprocess.Popen] = []
     files = []
@@ -309,7 +316,7 @@ def _launch_subprocesses(
                 break
             if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
                 failed_at = now
-            if failed_at is not None and now - failed_at > _FAILURE_GRACE_S:
+            if failed_at is not None and now - failed_at > failure_grace:
                 # A rank failed: the others would wait forever in their next collective. They had a moment to
                 # print their side of the story; stop them.
                 break
@@ -326,7 +333,14 @@ def _launch_subprocesses(
 
 
 def _launch_torchrun(
-    script: Path, nproc: int, args: Sequence[str], env: dict[str, str], port: int, logs: Path, deadline: float
+    script: Path,
+    nproc: int,
+    args: Sequence[str],
+    env: dict[str, str],
+    port: int,
+    logs: Path,
+    deadline: float,
+    failure_grace: float = _FAILURE_GRACE_S,  # torchrun stops the other ranks itself when one fails
 ) -> tuple[list[int | None], list[tuple[str, str]], bool]:
     cmd = [
         sys.executable,
@@ -383,6 +397,7 @@ def run_workers(
     method: Literal["subprocess", "torchrun"] = "subprocess",
     out_dir: str | os.PathLike | None = None,
     check: bool = True,
+    failure_grace: float = _FAILURE_GRACE_S,
 ) -> LaunchResult:
     """Run ``script_path`` on ``nproc`` CPU ranks and wait at most ``timeout`` seconds for all of them.
 
@@ -395,6 +410,8 @@ def run_workers(
         method: ``"subprocess"`` (one process per rank, started by us) or ``"torchrun"``.
         out_dir: where workers write their JSON results (``HF_GRADACC_TEST_OUT``); a new temp dir if None.
         check: raise :class:`WorkerError` with every rank's output when a rank fails or the timeout is hit.
+        failure_grace: seconds the other ranks may run on once one rank failed, before they are stopped (fault
+            tests give the surviving ranks the time to hit their own collective timeout).
 
     Returns:
         A :class:`LaunchResult` with each rank's output; ``load(name)`` reads the ranks' JSON results.
@@ -421,7 +438,7 @@ def run_workers(
     for attempt in range(3):  # a free port can be taken between find_free_port() and the bind: retry then
         logs = Path(tempfile.mkdtemp(prefix=f"logs{attempt}_", dir=out))
         rank_env = launch_env(out, env)
-        codes, outputs, timed_out = launch(script, nproc, args, rank_env, find_free_port(), logs, deadline)
+        codes, outputs, timed_out = launch(script, nproc, args, rank_env, find_free_port(), logs, deadline, failure_grace)
         result = LaunchResult(
             ranks=tuple(RankOutput(r, codes[r], *outputs[r]) for r in range(nproc)),
             out_dir=out,

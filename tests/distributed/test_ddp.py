@@ -21,6 +21,7 @@ pytestmark = pytest.mark.distributed
 
 TOLERANCE = 1e-5  # relative L2 error of the gradient (and of the logged loss / grad norm) vs float64
 NPROC = 2
+BS, GA = 2, 4  # workers/ddp_cases.py
 LAUNCH_TIMEOUT_S = 420
 WORKER = Path(__file__).parent / "workers" / "ddp_cases.py"
 PROBE = Path(__file__).parent / "workers" / "launcher_probe.py"
@@ -37,6 +38,8 @@ CASES = (
     "auto_micro_batch_causal_lm",
     "skip_window",
     "comm_hook",
+    "moe_mixtral",
+    "moe_qwen3_moe",
 )
 
 
@@ -82,7 +85,7 @@ def test_every_rank_finished(ddp_run: LaunchResult) -> None:
     assert ddp_run.ok, ddp_run.describe()
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [c for c in CASES if not c.startswith("moe_")])
 def test_ranks_are_two_process_multi_cpu_ddp(ddp_run: LaunchResult, name: str) -> None:
     for r, payload in enumerate(load_case(ddp_run, name)):
         run = payload["gradacc"]
@@ -128,6 +131,15 @@ def test_stock_trainer_on_two_ranks(ddp_run: LaunchResult, task: str, min_factor
             assert stock["norm_ratio"] >= min_factor, f"rank {r}: norm ratio {stock['norm_ratio']:.3f}"
             if max_factor is not None:
                 assert stock["norm_ratio"] <= max_factor, f"rank {r}: norm ratio {stock['norm_ratio']:.3f}"
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_router_term_on_two_ranks(ddp_run: LaunchResult, family: str) -> None:
+    for payload in load_case(ddp_run, f"moe_{family}"):
+        assert sorted(payload["micro_batch_sizes"]) == [BS - 1] + [BS] * (GA * NPROC - 1), payload  # both ranks'
+        assert payload["relative_error"] <= TOLERANCE and payload["router_relative_error"] <= 5e-5, payload
+        assert payload["model_wrapped"] == "DistributedDataParallel" and payload["num_processes"] == NPROC
+        assert payload["loss"] == pytest.approx(payload["main"] + payload["aux"], rel=1e-6) and payload["aux"] > 0
 
 
 def test_rank_imbalanced_token_counts(ddp_run: LaunchResult) -> None:

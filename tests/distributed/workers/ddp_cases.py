@@ -337,7 +337,35 @@ def case_comm_hook() -> dict[str, Any]:
     return {"gradacc": gradacc, "calls": counter.calls, "registered_on": counter.registered_on, "ga": GA}
 
 
+def case_moe(family: str) -> Callable[[], dict[str, Any]]:
+    """A tiny mixture-of-experts model, unequal micro-batches: the router term follows the routed-token rule."""
+
+    def run() -> dict[str, Any]:
+        from hf_gradacc.testing.tiny import build_tiny_moe
+
+        model = build_tiny_moe(family)
+        samples = make_samples("causal_lm", BS * GA * W - 1, seed=5)  # the last micro-batch of rank 1 is short
+        args = one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=GA, use_cpu=True,
+                             ddp_backend="gloo", ddp_timeout=120, seed=0,
+                             accelerator_config={"even_batches": False})  # no padding of the tail with repeats
+        # fmt: skip
+        micro_batches: list = []
+        update, trainer = one_step_update(SequentialGradAccTrainer, model, samples, args, micro_batches=micro_batches)
+        reference = reference_gradients(model, samples, "causal_lm", PaddingCollator(), micro_batches=micro_batches)
+        router = [n for n in reference if n.endswith("mlp.gate.weight")]
+        c, r = compare(update, reference), compare({n: update[n] for n in router}, {n: reference[n] for n in router})
+        logs = trainer.state.log_history[0]
+        return {"relative_error": c.relative_error, "router_relative_error": r.relative_error,
+                "micro_batch_sizes": [len(mb) for mb in micro_batches], "aux": logs.get("loss/aux"),
+                "main": logs.get("loss/main"), "loss": logs.get("loss"),
+                "model_wrapped": type(trainer.model_wrapped).__name__, "num_processes": trainer.accelerator.num_processes}  # fmt: skip
+
+    return run
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
+    "moe_mixtral": case_moe("mixtral"),
+    "moe_qwen3_moe": case_moe("qwen3_moe"),
     "exact_causal_lm": case_exact("causal_lm"),
     "exact_sequence_classification": case_exact("sequence_classification"),
     "exact_masked_lm": case_exact("masked_lm"),
