@@ -1,0 +1,577 @@
+"""Packed micro-batches (map-style datasets, decoder-only causal LMs): the pure planning and the collation.
+
+Once a step's loss is normalised by the count over ALL its micro-batches and ranks (what
+:class:`~hf_gradacc.GradAccTrainer` does), the step no longer depends on how its samples are grouped, nor on
+whether a micro-batch is a padded ``[rows, longest]`` batch or ONE row of concatenated samples, provided that the
+model keeps the samples of a row apart. This module uses that freedom:
+
+1. :class:`WindowPackBatchSampler` keeps each optimizer step's stock samples (it reuses the windows of
+   :class:`~hf_gradacc.data.regroup.WindowRegroupBatchSampler`, so the steps, the even-batches duplicates and the
+   short last step are the stock ones) and :func:`pack_window` packs each step's samples into the fewest rows of at
+   most ``max_tokens`` tokens that every rank can hold in the same number of micro-batches, with the tokens balanced
+   over micro-batches and ranks. No sample is split.
+2. :class:`PackedCollator` turns one micro-batch into ONE padding-free row: ``input_ids`` and ``labels`` of shape
+   ``[1, T]``, the first label of every sample masked (so no sample predicts the next one's first token),
+   ``position_ids`` restarting at 0 per sample, and the sequence boundaries of the flash kernels (the keys
+   ``transformers.DataCollatorWithFlattening`` emits). No ``attention_mask``: transformers then finds the sequences
+   in the restarting ``position_ids`` and builds a block-diagonal causal mask (eager, sdpa, flex attention) or calls
+   the variable-length flash kernels.
+3. :func:`check_packing_support` refuses a model that would let the samples of a row attend to each other: there
+   is no error from transformers in that case, only a wrong loss.
+
+What counts is unchanged: a packed row's targets after the causal shift are exactly the padded batch's (each
+sample's own tokens 1..n-1), and its input positions are the real tokens.
+
+Example:
+    ```python
+    from torch.utils.data import DataLoader, SequentialSampler
+    from hf_gradacc.data.pack import PackedCollator, WindowPackBatchSampler, check_packing_support
+
+    check_packing_support(model)                   # after Trainer.__init__ (it sets `model.config.use_cache`)
+    batch_sampler = WindowPackBatchSampler(
+        SequentialSampler(dataset), lengths, batch_size=8, gradient_accumulation_steps=8,
+        max_tokens_per_micro_batch=4096,           # optional: see WindowPackBatchSampler for the default
+    )
+    loader = DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=PackedCollator())
+    ```
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from ..errors import GradAccConfigError, GradAccDataError
+from ..loss import IGNORE_INDEX
+from .regroup import WindowRegroupBatchSampler
+
+# Attention implementations of transformers that keep the sequences of a packed row apart when the batch has
+# `position_ids` that restart at 0 and no `attention_mask`: the mask builders of `masking_utils` (eager, sdpa, flex)
+# turn the restarts into a block-diagonal causal mask, the flash ones call their variable-length kernels.
+PACKED_ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = (
+    "eager",
+    "sdpa",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+)
+
+# Model types whose packed rows were measured equal to the separate samples (eager, and sdpa where the model has it;
+# transformers 5.23):
+# trusted by `check_packing_support` when its probe cannot run (parameters on the meta device or sharded).
+VERIFIED_PACKED_MODEL_TYPES: frozenset[str] = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "gemma2", "gpt_neox", "gptj", "gpt2"}
+)
+
+# Relative tolerance (to the largest logit + 1) of the probe of `check_packing_support`. A model that keeps the
+# samples of a row apart computes the probed sample from the same numbers whatever precedes it (1e-7 and below in
+# float32); the leaks measured on tiny random models move its logits by 3.7e-3 (BERT as a decoder, near-uniform
+# attention) to 0.23 (Falcon). Half precision rounds logits to ~4e-3 of their size: its probe is best effort. The
+# second tolerance compares the sample packed with the sample alone (other shapes, so other rounding).
+_PROBE_RTOL: dict[torch.dtype, tuple[float, float]] = {torch.float64: (1e-9, 1e-7), torch.float32: (1e-5, 1e-4)}
+_PROBE_RTOL_HALF = (2e-3, 5e-2)
+
+
+# ---------------------------------------------------------------------------------------------- one window
+def _fill_bins(sizes: Sequence[int], num_bins: int, cap: int) -> list[list[int]] | None:
+    """Positions of ``sizes`` in exactly ``num_bins`` non-empty bins of at most ``cap`` each, the loads balanced; None
+    when the heuristics find no such packing.
+
+    Worst fit decreasing first (longest sample into the least-loaded bin: balanced loads, and if a sample does not
+    fit there it fits nowhere); when that overflows, first fit decreasing (fewest bins), then empty bins take single
+    samples from the most crowded ones, and samples move from the fullest bin to the emptiest while that narrows the
+    spread. Ties keep the window order, so every rank computes the same packing.
+    """
+    if num_bins > len(sizes):
+        return None
+    order = sorted(range(len(sizes)), key=lambda k: (-sizes[k], k))
+    heap = [(0, b) for b in range(num_bins)]
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for k in order:
+        load, b = heapq.heappop(heap)
+        if load + sizes[k] > cap:
+            break
+        bins[b].append(k)
+        heapq.heappush(heap, (load + sizes[k], b))
+    else:
+        return bins
+
+    bins, loads = [], []
+    for k in order:
+        b = next((b for b, load in enumerate(loads) if load + sizes[k] <= cap), None)
+        if b is None:
+            if len(bins) == num_bins:
+                return None
+            bins.append([])
+            loads.append(0)
+            b = len(bins) - 1
+        bins[b].append(k)
+        loads[b] += sizes[k]
+    while len(bins) < num_bins:  # num_bins <= len(sizes): some bin holds two samples or more
+        donor = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: (len(bins[b]), loads[b], -b))
+        k = bins[donor].pop()  # its shortest sample (filled longest first)
+        loads[donor] -= sizes[k]
+        bins.append([k])
+        loads.append(sizes[k])
+    for _ in range(len(sizes)):
+        full = max(range(num_bins), key=lambda b: (loads[b], -b))
+        empty = min(range(num_bins), key=lambda b: (loads[b], b))
+        movable = [k for k in bins[full] if loads[empty] + sizes[k] < loads[full]] if len(bins[full]) > 1 else []
+        if not movable:
+            break
+        k = min(movable, key=lambda k: (sizes[k], k))  # each move lowers the sum of squared loads: it terminates
+        bins[full].remove(k)
+        bins[empty].append(k)
+        loads[full] -= sizes[k]
+        loads[empty] += sizes[k]
+    return bins
+
+
+def pack_window(
+    samples: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    num_processes: int,
+    max_tokens: int,
+    num_micro_batches_per_rank: int | None = None,
+) -> list[list[list[int]]]:
+    """Pack one window's ``samples`` into micro-batches of ONE row each, as ``[rank][k] -> sample indices``.
+
+    Every sample goes whole into exactly one row (duplicates in ``samples`` stay duplicates), no row holds more than
+    ``max_tokens`` tokens, and every rank gets the same number of micro-batches: by default the fewest the packing
+    heuristics achieve (almost always the lower bound ``ceil(tokens / max_tokens / num_processes)``), or exactly
+    ``num_micro_batches_per_rank``. Rows are balanced in tokens, ranks too; each rank's rows come largest first.
+    Deterministic: every rank computes the same plan from the same arguments.
+
+    Example:
+        ```python
+        lengths = [300, 10, 80, 0, 200, 0, 0, 120]          # by dataset index
+        pack_window([4, 0, 7, 2], lengths, num_processes=2, max_tokens=512)
+        # [[[0, 2]], [[4, 7]]]: rank 0 gets one row of samples 0 and 2 (380 tokens), rank 1 one of 4 and 7 (320)
+        ```
+    """
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise GradAccConfigError(f"`num_processes` ({num_processes!r}) must be an int >= 1")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise GradAccConfigError(f"`max_tokens_per_micro_batch` ({max_tokens!r}) must be an int >= 1")
+    if not samples:
+        raise GradAccDataError("Cannot pack an empty window: an optimizer step needs at least one sample.")
+    sizes = [max(1, int(lengths[i])) for i in samples]
+    longest = max(range(len(samples)), key=lambda k: (sizes[k], -k))
+    if sizes[longest] > max_tokens:
+        raise GradAccConfigError(
+            f"Training sample {samples[longest]} has {sizes[longest]} tokens, more than the "
+            f"`max_tokens_per_micro_batch` ({max_tokens}) of a packed row, and packing never splits a sample. Raise "
+            f"`max_tokens_per_micro_batch` to at least {sizes[longest]} or truncate the data."
+        )
+    if num_micro_batches_per_rank is not None:
+        candidates: Sequence[int] = [num_micro_batches_per_rank]
+    else:
+        # No row holds two samples longer than half the budget; the rest is the volume bound.
+        num_halves = sum(2 * s > max_tokens for s in sizes)
+        fewest_rows = max(math.ceil(sum(sizes) / max_tokens), num_halves)
+        candidates = range(max(1, math.ceil(fewest_rows / num_processes)), len(sizes) // num_processes + 1)
+    for per_rank_count in candidates:
+        bins = _fill_bins(sizes, num_processes * per_rank_count, max_tokens)
+        if bins is not None:
+            break
+    else:
+        wanted = f"{num_micro_batches_per_rank} micro-batches per rank" if num_micro_batches_per_rank else "rows"
+        raise GradAccDataError(
+            f"Cannot pack a window of {len(samples)} samples ({sum(sizes)} tokens) into {wanted} of at most "
+            f"{max_tokens} tokens, the same number on each of {num_processes} ranks, every row holding a sample."
+        )
+    loads = [sum(sizes[k] for k in b) for b in bins]
+    # Rows to ranks, largest first, each to the least-loaded rank that still has room.
+    rank_loads = [0] * num_processes
+    per_rank: list[list[list[int]]] = [[] for _ in range(num_processes)]
+    for b in sorted(range(len(bins)), key=lambda b: (-loads[b], b)):
+        rank = min(
+            (r for r in range(num_processes) if len(per_rank[r]) < per_rank_count),
+            key=lambda r: (rank_loads[r], r),
+        )
+        per_rank[rank].append([samples[k] for k in sorted(bins[b])])
+        rank_loads[rank] += loads[b]
+    return per_rank
+
+
+# ---------------------------------------------------------------------------------------------- the sampler
+class WindowPackBatchSampler(WindowRegroupBatchSampler):
+    """A batch sampler that keeps each optimizer step's stock samples and packs them into padding-free rows (one row
+    per micro-batch, collated by :class:`PackedCollator`), the same number on every rank.
+
+    The windows are :class:`~hf_gradacc.data.regroup.WindowRegroupBatchSampler`'s (the stock steps, read from the
+    base sampler's order once per epoch, so the plan depends only on the epoch and that order: a resumed run
+    replays it); only the grouping differs. It yields the micro-batches of ALL ranks, ``num_processes`` per round,
+    rank ``r`` at position ``r``, as accelerate's ``BatchSamplerShard`` deals them out;
+    :attr:`num_micro_batches_per_window` tells the training loop how many each rank gets in each step (usually
+    fewer than ``gradient_accumulation_steps``: a row holds the tokens of several stock micro-batches).
+
+    Args:
+        sampler / lengths / batch_size / gradient_accumulation_steps / num_processes / drop_last / even_batches: as
+            for :class:`~hf_gradacc.data.regroup.WindowRegroupBatchSampler` (``batch_size`` and
+            ``gradient_accumulation_steps`` define the stock steps, not the packed rows).
+        max_tokens_per_micro_batch: the most tokens in a packed row. ``None``: per step, the padded size (rows x
+            longest row) of the largest micro-batch the stock run computes in that step. A packed row then holds no
+            more token positions than a micro-batch the stock run already fits in memory (same linear-layer
+            activations and ``[tokens, vocab]`` logits), the budget is never below a sample of the step, and the
+            stock grouping itself fits it, so the fewest rows are at most the stock count (measured: 2 to 3 rows
+            per rank for 8 stock micro-batches on long-tailed lengths). The attention of eager and sdpa computes a
+            masked ``T x T`` score matrix per row, which grows with the row's square (2.6 to 3.5x the stock
+            run's attention work in that measurement; the flash kernels and flex attention skip the masked blocks):
+            with those, or for predictable memory and compiled shapes, set a fixed budget.
+
+    Example:
+        ```python
+        from torch.utils.data import DataLoader, SequentialSampler
+        from hf_gradacc.data.pack import PackedCollator, WindowPackBatchSampler
+
+        batch_sampler = WindowPackBatchSampler(
+            SequentialSampler(dataset), lengths, batch_size=8, gradient_accumulation_steps=8
+        )
+        loader = DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=PackedCollator())
+        schedule = batch_sampler.num_micro_batches_per_window      # rows per rank in each optimizer step
+        ```
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler[int] | Sequence[int],
+        lengths: Sequence[int],
+        *,
+        batch_size: int,
+        gradient_accumulation_steps: int,
+        num_processes: int = 1,
+        drop_last: bool = False,
+        even_batches: bool = True,
+        max_tokens_per_micro_batch: int | None = None,
+    ) -> None:
+        budget = max_tokens_per_micro_batch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise GradAccConfigError(f"`max_tokens_per_micro_batch` ({budget!r}) must be None or an int >= 1")
+        if budget is not None and len(lengths):
+            longest = max(range(len(lengths)), key=lambda i: (lengths[i], -i))
+            if lengths[longest] > budget:
+                raise GradAccConfigError(
+                    f"Training sample {longest} has {lengths[longest]} tokens, more than `max_tokens_per_micro_batch` "
+                    f"({budget}): packing never splits a sample. Raise `max_tokens_per_micro_batch` to at least "
+                    f"{lengths[longest]} or truncate the data."
+                )
+        super().__init__(
+            sampler,
+            lengths,
+            batch_size=batch_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            num_processes=num_processes,
+            drop_last=drop_last,
+            even_batches=even_batches,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+        )
+        # The packed epoch, kept with the regrouping plan it was packed from (the parent's plan list, replaced
+        # whenever the parent reads the base sampler again) and the ranks it was packed for.
+        self._packed: tuple[list, int, list[list[list[list[int]]]]] | None = None
+
+    def _packed_plan(self, *, for_iteration: bool = False) -> list[list[list[list[int]]]]:
+        """``[window][rank][k] -> sample indices`` of the current epoch."""
+        windows = self._plan(for_iteration=for_iteration)  # each: the stock samples and the budget of the step
+        if self._packed is None or self._packed[0] is not windows or self._packed[1] != self.num_processes:
+            packed = [
+                pack_window(
+                    window.samples, self.lengths, num_processes=self.num_processes, max_tokens=window.max_tokens
+                )
+                for window in windows
+            ]
+            self._packed = (windows, self.num_processes, packed)
+        return self._packed[2]
+
+    @property
+    def num_micro_batches_per_window(self) -> tuple[int, ...]:
+        """Micro-batches (packed rows) each rank gets in each window of the current epoch; the training loop reads
+        it. It depends on the epoch's order: it is planned from the base sampler's order for this epoch, and the
+        plan is kept for the iteration that follows."""
+        return tuple(len(per_rank[0]) for per_rank in self._packed_plan())
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for per_rank in self._packed_plan(for_iteration=True):
+            for k in range(len(per_rank[0])):
+                for rank in range(self.num_processes):
+                    yield list(per_rank[rank][k])
+
+
+# ---------------------------------------------------------------------------------------------- the collator
+def _as_list(value: Any, *, key: str, index: int) -> list[int]:
+    if torch.is_tensor(value):
+        if value.dim() != 1:
+            raise GradAccDataError(
+                f"Sample {index} of the micro-batch has `{key}` of shape {tuple(value.shape)}; PackedCollator packs "
+                "unpadded samples, one 1-D sequence each."
+            )
+        return [int(x) for x in value.tolist()]
+    return [int(x) for x in value]
+
+
+@dataclass
+class PackedCollator:
+    """Collates the samples of a micro-batch into ONE padding-free row for a decoder-only causal LM.
+
+    Returns ``input_ids``, ``labels`` and ``position_ids`` of shape ``[1, T]`` (int64; ``T`` the sum of the
+    samples' lengths): ``labels`` are the samples' own (``input_ids`` when a sample has none) with the first label of
+    each sample set to ``ignore_index``, and ``position_ids`` restart at 0 for each sample. With
+    ``return_flash_attn_kwargs`` also ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 sequence offsets, ``[0, n0, n0 +
+    n1, ..., T]``) and ``max_length_q`` / ``max_length_k`` (ints), which the flash kernels take as is (without them
+    they rebuild the offsets from ``position_ids`` in every layer); with ``return_seq_idx`` also ``seq_idx`` (int32
+    ``[1, T]``, the sample each token belongs to, read by Mamba-style layers). These are the keys and dtypes of
+    ``transformers.DataCollatorWithFlattening``. There is no ``attention_mask``: its absence is what makes
+    transformers read the sequences from ``position_ids`` (and the counting count every position as an input token).
+
+    Why the first label: a causal LM predicts ``labels[i]`` from position ``i - 1``; the position before a sample's
+    first token is the previous sample's last token, so masking each sample's first label cuts every boundary. The
+    targets left are each sample's tokens 1..n-1, exactly those of the padded batch. Samples may hold ``input_ids``,
+    ``labels`` (same length; lists or 1-D tensors) and an all-ones ``attention_mask``; anything else is an error.
+    The lengths of the samples are ``cu_seq_lens_q.diff()`` (:func:`packed_sequence_lengths`).
+
+    Example:
+        ```python
+        from hf_gradacc.data.pack import PackedCollator
+
+        batch = PackedCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+        # input_ids [[5, 6, 7, 8, 9]], labels [[-100, 6, 7, -100, 9]], position_ids [[0, 1, 2, 0, 1]],
+        # cu_seq_lens_q / cu_seq_lens_k [0, 3, 5], max_length_q / max_length_k 3
+        ```
+    """
+
+    ignore_index: int = IGNORE_INDEX
+    return_flash_attn_kwargs: bool = True
+    return_seq_idx: bool = False
+
+    ACCEPTED_KEYS = ("input_ids", "labels", "attention_mask")
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        if not samples:
+            raise GradAccDataError("PackedCollator got an empty micro-batch: a packed row needs at least one sample.")
+        input_ids: list[int] = []
+        labels: list[int] = []
+        position_ids: list[int] = []
+        seq_idx: list[int] = []
+        offsets = [0]
+        for index, sample in enumerate(samples):
+            extra = sorted(set(sample) - set(self.ACCEPTED_KEYS))
+            if extra:
+                raise GradAccDataError(
+                    f"Sample {index} of the micro-batch has keys {extra} that PackedCollator cannot pack (it "
+                    f"concatenates {self.ACCEPTED_KEYS[:2]} only). Remove them from the dataset, or do not pack."
+                )
+            ids = _as_list(sample["input_ids"], key="input_ids", index=index)
+            if not ids:
+                raise GradAccDataError(f"Sample {index} of the micro-batch has no `input_ids`: nothing to pack.")
+            own = _as_list(sample["labels"], key="labels", index=index) if "labels" in sample else ids
+            if len(own) != len(ids):
+                raise GradAccDataError(
+                    f"Sample {index} of the micro-batch has {len(own)} labels for {len(ids)} input ids; a causal LM "
+                    "needs one label per token."
+                )
+            mask = sample.get("attention_mask")
+            if mask is not None and any(int(m) != 1 for m in _as_list(mask, key="attention_mask", index=index)):
+                raise GradAccDataError(
+                    f"Sample {index} of the micro-batch is padded (its `attention_mask` has zeros); PackedCollator "
+                    "packs unpadded samples."
+                )
+            input_ids += ids
+            labels += [self.ignore_index, *own[1:]]
+            position_ids += range(len(ids))
+            seq_idx += [index] * len(ids)
+            offsets.append(offsets[-1] + len(ids))
+        batch: dict[str, Any] = {
+            "input_ids": torch.tensor([input_ids], dtype=torch.long),
+            "labels": torch.tensor([labels], dtype=torch.long),
+            "position_ids": torch.tensor([position_ids], dtype=torch.long),
+        }
+        if self.return_flash_attn_kwargs:
+            cu_seq_lens = torch.tensor(offsets, dtype=torch.int32)
+            longest = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
+            batch.update(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens.clone())
+            batch.update(max_length_q=longest, max_length_k=longest)
+        if self.return_seq_idx:
+            batch["seq_idx"] = torch.tensor([seq_idx], dtype=torch.int32)
+        return batch
+
+
+def packed_sequence_lengths(batch: Mapping[str, Any]) -> list[int]:
+    """The lengths of the samples of a packed row (a :class:`PackedCollator` batch), in order: from
+    ``cu_seq_lens_q`` when the batch has it, else from where ``position_ids`` restart at 0. ``len()`` of it is the
+    micro-batch's number of samples, which a ``[1, T]`` row no longer shows in its shape.
+
+    Example:
+        ```python
+        batch = PackedCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+        packed_sequence_lengths(batch)        # [3, 2]
+        ```
+    """
+    offsets = batch.get("cu_seq_lens_q")
+    if torch.is_tensor(offsets):
+        return [int(n) for n in offsets.diff().tolist()]
+    positions = batch.get("position_ids")
+    if not torch.is_tensor(positions) or positions.dim() != 2 or positions.shape[0] != 1:
+        raise GradAccDataError(
+            "packed_sequence_lengths needs a packed row: `cu_seq_lens_q`, or `position_ids` of shape [1, T]; got "
+            f"keys {sorted(batch)}."
+        )
+    starts = (positions[0] == 0).nonzero().reshape(-1).tolist()
+    if not starts or starts[0] != 0:
+        raise GradAccDataError("The `position_ids` of a packed row must start at 0 for its first sample.")
+    return [b - a for a, b in zip(starts, [*starts[1:], positions.shape[1]])]
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    from ..heads import unwrap_model
+
+    return unwrap_model(model)
+
+
+def _can_probe(model: torch.nn.Module) -> bool:
+    """True when every parameter is a plain local tensor with data: not on the meta device, not a DTensor shard
+    (FSDP2), not a DeepSpeed ZeRO-3 partition. A forward pass on one rank then needs no collective."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed support has no shards
+        DTensor = ()  # noqa: N806
+    for param in model.parameters():
+        if param.is_meta or hasattr(param, "ds_id") or isinstance(param, DTensor) or isinstance(param.data, DTensor):
+            return False
+    return True
+
+
+def _probe_packing(model: torch.nn.Module) -> None:
+    """Run two packed rows ``[a, c]`` and ``[b, c]`` (``a`` and ``b`` differ) and ``c`` alone: a model that keeps the
+    samples apart gives ``c`` the same logits in all three. Raises :class:`GradAccConfigError` otherwise."""
+    config = model.config
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < 3:
+        raise GradAccConfigError(
+            f"check_packing_support cannot probe {type(model).__name__}: its config has no usable `vocab_size` "
+            f"({vocab!r}). Pass `probe=False` if you have checked that it honours packed `position_ids`."
+        )
+    device = next(model.parameters()).device
+    # Two prefixes of one repeated token each (their attention averages differ the most), then a short sample.
+    a, b = [1] * 16, [vocab - 1] * 16
+    c = torch.randint(2, vocab - 1, (2,), generator=torch.Generator().manual_seed(0)).tolist()
+    collate = PackedCollator()
+    rows = [collate([{"input_ids": x}, {"input_ids": c}]) for x in (a, b)] + [collate([{"input_ids": c}])]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = []
+            for row in rows:
+                inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in row.items() if k != "labels"}
+                logits.append(model(**inputs).logits[0, -len(c) :].double().cpu())
+    except TypeError as error:
+        raise GradAccConfigError(
+            f"{type(model).__name__}.forward does not take the keys of a packed row ({sorted(rows[0])}): {error}"
+        ) from error
+    finally:
+        model.train(was_training)
+    dtype = next(model.parameters()).dtype
+    leak_rtol, shift_rtol = _PROBE_RTOL.get(dtype, _PROBE_RTOL_HALF)
+    scale = float(logits[2].abs().max()) + 1.0
+    leak = float((logits[0] - logits[1]).abs().max()) / scale
+    shift = float((logits[0] - logits[2]).abs().max()) / scale
+    attn = getattr(config, "_attn_implementation", None)
+    where = f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}, attention {attn!r})"
+    if leak > leak_rtol:
+        raise GradAccConfigError(
+            f"{where} lets the samples of a packed row attend to each other: the logits of a sample change by "
+            f"{leak:.1e} (relative) when the sample before it in the row changes. Its forward does not turn the "
+            "restarting `position_ids` into separate sequences; packing would silently train on cross-sample "
+            "attention. Do not pack this model with this attention implementation (the flash ones read the sequences "
+            "inside each attention layer, where the model passes `position_ids` down)."
+        )
+    if shift > shift_rtol:
+        raise GradAccConfigError(
+            f"{where} gives a packed sample other logits than the same sample alone ({shift:.1e} relative): it does "
+            "not restart positions at the `position_ids` of a packed row. Do not pack this model."
+        )
+
+
+def check_packing_support(model: torch.nn.Module, *, probe: bool = True) -> None:
+    """Raise :class:`~hf_gradacc.GradAccConfigError`, with the reason, when ``model`` cannot train on the packed rows
+    of :class:`PackedCollator` exactly as on the same samples padded; return None when it can.
+
+    The rules, in order: a decoder-only causal LM (``config.is_encoder_decoder`` and ``config.is_causal=False``
+    fail: an encoder's bidirectional mask is built from ``attention_mask`` only); its ``forward`` takes
+    ``position_ids``; its attention implementation is one of :data:`PACKED_ATTENTION_IMPLEMENTATIONS`;
+    ``config.use_cache`` is off (transformers looks for packed sequences only without a cache, and the model
+    creates one when ``use_cache`` is on: ``Trainer.__init__`` sets it from ``TrainingArguments.use_cache``, False
+    by default, so call this after it). Then, with ``probe``, a forward pass of a few tokens checks that a sample's
+    logits do not depend on the sample packed before it and equal those of the sample alone: models whose forward
+    takes ``position_ids`` but does not pass them to the mask (OPT, Falcon, BERT as a decoder) fail there. When the
+    parameters cannot run a forward pass on their own (meta device, FSDP2 or ZeRO-3 shards) the model type must be
+    one of :data:`VERIFIED_PACKED_MODEL_TYPES`.
+
+    Example:
+        ```python
+        from hf_gradacc.data.pack import check_packing_support
+        from hf_gradacc.testing.tiny import build_tiny_model
+
+        model = build_tiny_model("causal_lm")
+        model.config.use_cache = False      # what Trainer.__init__ does with the default TrainingArguments
+        check_packing_support(model)        # passes: Llama with sdpa honours packed position_ids
+        ```
+    """
+    from ..heads import detect_head_type
+
+    base = _unwrap(model)
+    name = type(base).__name__
+    config = getattr(base, "config", None)
+    if config is None:
+        raise GradAccConfigError(f"{name} has no `config`: packing is supported for transformers models only.")
+    if getattr(config, "is_encoder_decoder", False):
+        raise GradAccConfigError(
+            f"{name} is an encoder-decoder model: packed rows are for decoder-only causal LMs (the encoder's "
+            "bidirectional mask is built from `attention_mask`, which a packed row does not have)."
+        )
+    head = detect_head_type(base)
+    if head != "causal_lm" or getattr(config, "is_causal", True) is False:
+        raise GradAccConfigError(
+            f"{name} is a {head or 'unknown'} model, not a causal LM: packed rows are for decoder-only causal LMs "
+            "(transformers separates packed sequences in causal masks only; a bidirectional encoder would attend "
+            "across samples)."
+        )
+    if "position_ids" not in inspect.signature(base.forward).parameters:
+        raise GradAccConfigError(
+            f"{name}.forward takes no `position_ids`: it cannot restart positions per sample nor tell the samples "
+            "of a packed row apart (e.g. ALiBi models such as BLOOM)."
+        )
+    attn = getattr(config, "_attn_implementation", None)
+    if attn not in PACKED_ATTENTION_IMPLEMENTATIONS:
+        raise GradAccConfigError(
+            f"{name} uses the attention implementation {attn!r}, which transformers does not give packed sequences "
+            f"to; use one of {PACKED_ATTENTION_IMPLEMENTATIONS} (`attn_implementation` of `from_pretrained`)."
+        )
+    if getattr(config, "use_cache", False):
+        raise GradAccConfigError(
+            f"{name} has `config.use_cache=True`: with a cache transformers does not look for packed sequences and "
+            "the samples of a row would attend to each other. Keep `use_cache=False` (`TrainingArguments.use_cache`, "
+            "which `Trainer.__init__` copies to the model's config)."
+        )
+    if not probe:
+        return
+    if _can_probe(base):
+        _probe_packing(base)
+        return
+    model_type = getattr(config, "model_type", None)
+    if model_type not in VERIFIED_PACKED_MODEL_TYPES:
+        raise GradAccConfigError(
+            f"{name} (model_type {model_type!r}) cannot be probed here (its parameters are sharded or on the meta "
+            f"device) and is not one of the verified model types {sorted(VERIFIED_PACKED_MODEL_TYPES)}. Call "
+            "check_packing_support before sharding it, or pass `probe=False` if you have checked it yourself."
+        )
