@@ -146,7 +146,17 @@ class GradAccArguments:
         metadata={
             "help": "Cap on padded tokens (rows x longest row, from `length_column_name` or `input_ids`) per "
             "micro-batch; implies regrouping. Rows per micro-batch vary; a step whose samples do not fit in "
-            "`gradient_accumulation_steps` micro-batches per rank gets more of them, with the same update."
+            "`gradient_accumulation_steps` micro-batches per rank gets more of them, with the same update. With "
+            "`pack_micro_batches`: the most tokens of a packed row."
+        },
+    )
+    pack_micro_batches: bool = field(
+        default=False,
+        metadata={
+            "help": "Decoder-only causal LMs, map-style datasets: every micro-batch of an optimizer step is ONE "
+            "padding-free row of concatenated samples (position ids restarting per sample; no sample attends to "
+            "another), filled up to `max_tokens_per_micro_batch` tokens (default: the step's largest stock "
+            "micro-batch, rows x longest row). The step keeps exactly its samples; the update is unchanged."
         },
     )
 
@@ -237,11 +247,12 @@ class GradAccSettings:
     check_loss_at_start: bool = True
     regroup_micro_batches: bool = False
     max_tokens_per_micro_batch: int | None = None
+    pack_micro_batches: bool = False
 
     @property
     def regroups(self) -> bool:
-        """Whether micro-batches are regrouped (``regroup_micro_batches`` or a token budget)."""
-        return self.regroup_micro_batches or self.max_tokens_per_micro_batch is not None
+        """Whether the step's samples are regrouped (``regroup_micro_batches``, a token budget, or packing)."""
+        return self.regroup_micro_batches or self.max_tokens_per_micro_batch is not None or self.pack_micro_batches
 
 
 def _knobs_of(source: Any, *, where: str) -> dict[str, Any]:
@@ -290,7 +301,7 @@ def resolve_settings(args: TrainingArguments | GradAccArguments, overrides: Any 
     if not isinstance(settings.ignore_index, int) or isinstance(settings.ignore_index, bool):
         raise GradAccConfigError(f"`ignore_index` ({settings.ignore_index!r}) must be an int")
     for name in ("warn_on_plain_loss", "backward_per_term", "auto_micro_batch", "defer_normalization",
-                 "regroup_micro_batches", "check_loss_at_start"):
+                 "regroup_micro_batches", "check_loss_at_start", "pack_micro_batches"):
         _check_bool(name, getattr(settings, name))
     for name, choices in (
         ("zero_reduction", ZERO_REDUCTIONS), ("fsdp_sync", FSDP_SYNCS), ("nonfinite_steps", NONFINITE_STEPS)

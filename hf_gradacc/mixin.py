@@ -34,6 +34,7 @@ from .checkpoints import latest_complete_checkpoint
 from .checks import LossCheck, agree, start_up_check
 from .config import GradAccSettings, resolve_settings
 from .data.loader import adjust_training_values, build_train_dataloader, check_train_dataset, fetch_batches, plan_epoch
+from .data.pack import check_packing_support
 from .distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .errors import GradAccConfigError, GradAccDataError, GradAccUsageError
 from .grads import AccumulatedGradHook, GradAccess
@@ -41,7 +42,7 @@ from .heads import Head, seen_token_count
 from .loss import LossTerm, parse_loss_output
 from .memory import halve_rows, is_out_of_memory, release_memory
 from .nonfinite import must_skip, poison_nonfinite
-from .window import LABEL_KEY, MicroBatchCounts, TermLog, Window
+from .window import LABEL_KEY, PACKED_KEY, MicroBatchCounts, TermLog, Window
 
 logger = logging.get_logger(__name__)
 
@@ -111,6 +112,8 @@ class GradAccMixin:
             or settings.defer_normalization,
         )
         self.backend.check_model(self.model)
+        if settings.pack_micro_batches:
+            check_packing_support(self.model)  # no silent cross-sample attention
         apply_ddp_timeout(self.args)  # gloo groups made with use_cpu=True miss it (transformers 5.23)
         if settings.defer_normalization and self._custom_training_step:
             raise GradAccConfigError(
@@ -334,7 +337,8 @@ class GradAccMixin:
         if mode == "no":
             return counts
         main = batch.get(getattr(self.model, "main_input_name", "input_ids"))
-        pad_id = getattr(self.processing_class, "pad_token_id", None)
+        # a packed row has no padding (and may hold end-of-sequence ids equal to the pad id): every token counts
+        pad_id = None if PACKED_KEY in batch else getattr(self.processing_class, "pad_token_id", None)
         return replace(counts, num_seen_tokens=seen_token_count(main, batch.get("attention_mask"), mode, pad_id))
 
     def _open_window(self, epoch_iterator: Iterator, num_batches: int) -> Window:

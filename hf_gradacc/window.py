@@ -150,7 +150,7 @@ def count_micro_batch(
         )
     if head_type == "causal_lm" and SHIFT_LABELS_KEY not in batch:
         targets = targets[..., 1:]
-    num_samples = targets.shape[0] if targets.dim() > 1 else 1
+    num_samples = rows_of(batch) if PACKED_KEY in batch else targets.shape[0] if targets.dim() > 1 else 1
     return MicroBatchCounts(num_tokens=int(token_count(targets, ignore_index)), num_samples=num_samples)
 
 
@@ -198,8 +198,14 @@ def gather_window_counts(
     )
 
 
+PACKED_KEY = "cu_seq_lens_q"  # a packed row's sequence offsets ([0, n0, n0 + n1, ..., T]): its samples
+
+
 def rows_of(batch: Mapping[str, Any]) -> int:
-    """Number of rows (samples) of a collated micro-batch: the first dim of its first tensor."""
+    """Number of samples of a collated micro-batch: the first dim of its first tensor, or the sequences of a packed
+    row (``cu_seq_lens_q``)."""
+    if torch.is_tensor(batch.get(PACKED_KEY)):
+        return int(batch[PACKED_KEY].numel()) - 1
     for value in batch.values():
         if torch.is_tensor(value) and value.dim() > 0:
             return int(value.shape[0])
@@ -215,6 +221,9 @@ def split_micro_batches(micro_batches: Sequence[Mapping[str, Any]], max_rows: in
         raise GradAccConfigError(f"`max_rows` ({max_rows}) must be >= 1")
     pieces: list[dict[str, Any]] = []
     for batch in micro_batches:
+        if torch.is_tensor(batch.get(PACKED_KEY)):
+            pieces += _split_packed(batch, max_rows)
+            continue
         rows = rows_of(batch)
         for start in range(0, rows, max_rows):
             stop = min(start + max_rows, rows)
@@ -225,6 +234,29 @@ def split_micro_batches(micro_batches: Sequence[Mapping[str, Any]], max_rows: in
                     for key, value in batch.items()
                 }
             )
+    return pieces
+
+
+def _split_packed(batch: Mapping[str, Any], max_rows: int) -> list[dict[str, Any]]:
+    """A packed row cut at its sequence boundaries into rows of at most ``max_rows`` samples (each sample's first
+    label is already masked and its positions restart at 0, so every piece is a packed row of its own)."""
+    offsets = [int(x) for x in batch[PACKED_KEY].tolist()]
+    pieces = []
+    for first in range(0, len(offsets) - 1, max_rows):
+        last = min(first + max_rows, len(offsets) - 1)
+        start, stop = offsets[first], offsets[last]
+        local = torch.tensor([o - start for o in offsets[first : last + 1]], dtype=batch[PACKED_KEY].dtype)
+        piece: dict[str, Any] = {}
+        for key, value in batch.items():
+            if key.startswith("cu_seq_lens"):
+                piece[key] = local.to(value.device)
+            elif key.startswith("max_length"):
+                piece[key] = int(local.diff().max())
+            elif torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == offsets[-1]:
+                piece[key] = value[:, start:stop]
+            else:
+                piece[key] = value
+        pieces.append(piece)
     return pieces
 
 

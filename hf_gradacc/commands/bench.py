@@ -22,7 +22,15 @@ from typing import Any
 
 import torch
 
-from ..testing.benchmark import DATASETS, TRAINERS, BenchSettings, environment, format_table, run_benchmark
+from ..testing.benchmark import (
+    DATASETS,
+    TRAINERS,
+    BenchSettings,
+    environment,
+    format_table,
+    plot_benchmark,
+    run_benchmark,
+)
 
 
 def _csv(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
@@ -34,6 +42,16 @@ def _csv(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
         return values
 
     return parse
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 4:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 4, got {text!r}")
+    return values
 
 
 def bench_command_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -50,7 +68,8 @@ def bench_command_parser(subparsers: Any) -> argparse.ArgumentParser:
     d = BenchSettings()
     p = subparsers.add_parser(
         "bench",
-        help="time the stock Trainer against GradAccTrainer (plain, regrouped, token budget) in one run",
+        help="time the stock Trainer (random, group_by_length, batch_rebalance, flattening) against GradAccTrainer "
+        "(plain, regrouped, token budget, packed) in one run",
         description=__doc__.split("\n\n")[0].strip("`"),
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
@@ -62,13 +81,17 @@ def bench_command_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=d.num_layers)
     p.add_argument("--num-heads", type=int, default=d.num_heads)
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument(
+        "--vocab-sizes", type=_ints, default=None,
+        help="comma-separated vocabulary sizes: one model each, measured one after the other (e.g. 96,32000)",
+    )
     p.add_argument("--max-length", type=int, default=d.max_length, help="longest long-tailed sample")
     p.add_argument("--median-length", type=int, default=d.median_length)
     p.add_argument("--sigma", type=float, default=d.sigma, help="log-normal shape of the long-tailed lengths")
     p.add_argument("--equal-length", type=int, default=d.equal_length)
     p.add_argument(
         "--max-tokens", type=int, default=d.max_tokens_per_micro_batch,
-        help="token budget of the 'budget' trainer (raised to the longest sample if below it)",
+        help="token budget of the 'budget' and 'pack' trainers (raised to the longest sample if below it)",
     )
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
     p.add_argument("--threads", type=int, default=d.num_threads, help="torch CPU threads (CPU runs)")
@@ -76,6 +99,7 @@ def bench_command_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--trainers", type=_csv(TRAINERS), default=d.trainers, help=",".join(TRAINERS))
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", default=None, help="also write the rows and the environment to this file")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the step-time and memory distributions")
     p.set_defaults(handler=bench_command)
     return p
 
@@ -90,6 +114,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         num_layers=args.num_layers,
         num_heads=args.num_heads,
         vocab_size=args.vocab_size,
+        vocab_sizes=tuple(args.vocab_sizes or ()),
         bf16=args.bf16,
         per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum,
@@ -129,6 +154,9 @@ def bench_command(args: argparse.Namespace) -> int:
             payload = {"environment": env, "settings": asdict(settings), "rows": [asdict(r) for r in rows]}
             with open(args.json, "w") as f:
                 json.dump(payload, f, indent=1)
+        if args.plot:
+            plot_benchmark(rows, args.plot)
+            print(f"\nWrote the step-time and memory distributions to {args.plot}")
     return 0
 
 

@@ -15,6 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from transformers.utils import logging
 
 from ..errors import GradAccConfigError, GradAccDataError
+from .pack import PackedCollator, WindowPackBatchSampler
 from .regroup import WindowRegroupBatchSampler, sample_lengths
 
 if TYPE_CHECKING:
@@ -105,7 +106,10 @@ def build_train_dataloader(trainer: Trainer, settings: GradAccSettings) -> DataL
         )
     from transformers.trainer_utils import seed_worker
 
-    batch_sampler = WindowRegroupBatchSampler(
+    sampler_class = WindowPackBatchSampler if settings.pack_micro_batches else WindowRegroupBatchSampler
+    if settings.pack_micro_batches:
+        collator = _packing_collator(trainer, settings, collator, is_hf_dataset)
+    batch_sampler = sampler_class(
         base_sampler,
         lengths,
         batch_size=trainer._train_batch_size,
@@ -135,13 +139,33 @@ def build_train_dataloader(trainer: Trainer, settings: GradAccSettings) -> DataL
     return dataloader
 
 
+def _packing_collator(trainer: Trainer, settings: GradAccSettings, collator: Any, is_hf_dataset: bool) -> Callable:
+    """:class:`~hf_gradacc.data.pack.PackedCollator` (behind the Trainer's unused-column removal), with a warning when
+    it replaces a collator of the user's: its padding has nothing left to do, but any other work it did is skipped."""
+    from transformers import DataCollatorWithFlattening, DataCollatorWithPadding, default_data_collator
+
+    user = trainer.data_collator
+    pads_only = isinstance(user, (PackedCollator, DataCollatorWithFlattening, DataCollatorWithPadding)) or getattr(
+        user, "only_pads", False  # a collator that declares it does nothing but pad (hf_gradacc's PaddingCollator)
+    )
+    if not pads_only and user is not default_data_collator:
+        logger.warning_once(
+            f"`pack_micro_batches=True`: micro-batches are built by hf_gradacc's PackedCollator (one padding-free row "
+            f"each), not by the given data_collator ({type(user).__name__}). If that collator did more than pad, do "
+            "that work in the dataset instead, or turn packing off."
+        )
+    packed = PackedCollator(ignore_index=settings.ignore_index)
+    return packed if is_hf_dataset else trainer._get_collator_with_removed_columns(packed, description="Training")
+
+
 def adjust_training_values(
     dataloader: Any, args: TrainingArguments, values: tuple, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> tuple:
     """Fix `Trainer.set_initial_training_values`:
 
-    - for a regrouping dataloader whose windows hold more than ``gradient_accumulation_steps`` micro-batches (token
-      budget), optimizer steps per epoch are the windows, not ``len(dataloader) / gradient_accumulation_steps``;
+    - for a regrouping dataloader whose windows hold another number of micro-batches than
+      ``gradient_accumulation_steps`` (a token budget, packed rows), optimizer steps per epoch are the windows, not
+      ``len(dataloader) / gradient_accumulation_steps``;
     - with ``all_gather`` (several ranks), the loop's lengths are agreed: every rank takes the largest steps per
       epoch, batches per epoch and ``max_steps``. Each rank computes them from its OWN dataloader, and ranks dealt
       different numbers of batches (``even_batches=False``) would otherwise leave the loop at different steps and
@@ -150,7 +174,9 @@ def adjust_training_values(
     """
     num_train_epochs, num_update_steps, num_examples, num_train_samples, total_batch, steps_in_epoch, max_steps = values
     sampler = find_regroup_sampler(dataloader)
-    if sampler is not None and sampler.max_tokens_per_micro_batch is not None:
+    if sampler is not None and (
+        isinstance(sampler, WindowPackBatchSampler) or sampler.max_tokens_per_micro_batch is not None
+    ):
         num_update_steps = max(sampler.num_windows, 1)
         if args.max_steps > 0:
             num_train_epochs = math.ceil(max_steps / num_update_steps)

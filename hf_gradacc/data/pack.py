@@ -353,6 +353,8 @@ class PackedCollator:
     return_seq_idx: bool = False
 
     ACCEPTED_KEYS = ("input_ids", "labels", "attention_mask")
+    # Columns a dataset carries for the sampler, not for the model: dropped.
+    IGNORED_KEYS = ("length",)
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not samples:
@@ -363,7 +365,7 @@ class PackedCollator:
         seq_idx: list[int] = []
         offsets = [0]
         for index, sample in enumerate(samples):
-            extra = sorted(set(sample) - set(self.ACCEPTED_KEYS))
+            extra = sorted(set(sample) - set(self.ACCEPTED_KEYS) - set(self.IGNORED_KEYS))
             if extra:
                 raise GradAccDataError(
                     f"Sample {index} of the micro-batch has keys {extra} that PackedCollator cannot pack (it "

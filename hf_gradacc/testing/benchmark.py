@@ -1,4 +1,6 @@
-"""`hf-gradacc bench`: the stock `Trainer` against `GradAccTrainer` (plain, regrouped, token budget), in ONE run.
+"""`hf-gradacc bench`: what users would pick instead — the stock `Trainer` (random order, `group_by_length`,
+`batch_rebalance`, padding-free `DataCollatorWithFlattening`) — against `GradAccTrainer` (plain, regrouped, token
+budget, packed), in ONE run.
 
 Every trainer trains its own copy of the same model on the same samples in the same order (same seed, so every
 optimizer step holds the same samples). The trainers run side by side, one optimizer step at a time, in turns that
@@ -9,7 +11,7 @@ Columns:
 
 * step time ratio: median over timed steps of (trainer's step time / stock step time), pair by pair;
 * total time ratio: sum of timed step times / the stock sum;
-* computed / real tokens: padded tokens the model computed (attention mask size) per real token;
+* computed / real tokens: token positions the model computed (``input_ids`` size: padding included) per real token;
 * peak memory ratio: the largest increase of memory within one step (CPU: resident set size high-water mark, reset
   before each step; CUDA: ``max_memory_allocated``), over the stock one;
 * reductions / step: DDP gradient reductions (comm-hook calls) per optimizer step; ``n/a`` on one process;
@@ -37,7 +39,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,13 +50,21 @@ from ..errors import GradAccConfigError, GradAccUsageError  # noqa: F401
 logger = logging.getLogger(__name__)
 
 DATASETS: tuple[str, ...] = ("equal", "long_tailed")
-TRAINERS: tuple[str, ...] = ("stock", "plain", "regroup", "budget")
+TRAINERS: tuple[str, ...] = (
+    "stock", "stock_group_by_length", "stock_batch_rebalance", "stock_flatten", "plain", "regroup", "budget", "pack",
+)  # fmt: skip
 _TRAINER_LABELS = {
     "stock": "Trainer (stock)",
+    "stock_group_by_length": "Trainer, group_by_length",
+    "stock_batch_rebalance": "Trainer, batch_rebalance",
+    "stock_flatten": "Trainer, DataCollatorWithFlattening",
     "plain": "GradAccTrainer",
     "regroup": "GradAccTrainer + regroup",
     "budget": "GradAccTrainer + token budget",
+    "pack": "GradAccTrainer + packed",
 }
+# The stock samplers of transformers 5.23 (`train_sampling_strategy`) each stock variant uses.
+_STOCK_SAMPLING = {"stock_group_by_length": "group_by_length", "stock_batch_rebalance": "batch_rebalance"}
 _TURN_TIMEOUT_S = 1800.0  # a step that takes longer than this is a hang, not a measurement
 
 
@@ -71,6 +81,7 @@ class BenchSettings:
     num_layers: int = 2
     num_heads: int = 4
     vocab_size: int = 96
+    vocab_sizes: tuple[int, ...] = ()  # several models, one per vocabulary size (empty: `vocab_size` alone)
     bf16: bool = False
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 8
@@ -95,6 +106,7 @@ class BenchRow:
 
     dataset: str
     trainer: str
+    vocab_size: int
     median_step_time_s: float
     step_time_ratio: float
     total_time_ratio: float
@@ -105,6 +117,7 @@ class BenchRow:
     micro_batches_per_step: float
     relative_update_difference: float | None
     step_times_s: tuple[float, ...] = field(default=())
+    step_peaks_bytes: tuple[int, ...] = field(default=())
 
 
 # ---------------------------------------------------------------------------------------------- data and model
@@ -197,22 +210,24 @@ class _MemoryProbe:
 
 
 # ---------------------------------------------------------------------------------------------- turns
-class _TokenCounter:
-    """Wraps a collator; counts computed (padded) and real tokens from the attention mask."""
+class _Counting:
+    """Put in front of a Trainer class: counts, from the batches each step fetches, the token positions the model
+    computes (``input_ids`` size) and the real tokens (the attention mask's ones; every position of a padding-free
+    row), and the micro-batches."""
 
-    def __init__(self, collator: Callable) -> None:
-        self.collator = collator
-        self.computed = 0
-        self.real = 0
-        self.micro_batches = 0
+    computed = 0
+    real = 0
+    micro_batches = 0
 
-    def __call__(self, samples):
-        batch = self.collator(samples)
-        mask = batch["attention_mask"]
-        self.computed += mask.numel()
-        self.real += int(mask.sum())
-        self.micro_batches += 1
-        return batch
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        for batch in batches:
+            computed = int(batch["input_ids"].numel())
+            mask = batch.get("attention_mask")
+            self.computed += computed
+            self.real += int(mask.sum()) if mask is not None else computed
+            self.micro_batches += 1
+        return batches, num_items
 
 
 def _turn_callback(name: str, probe: _MemoryProbe, world_size: int):
@@ -327,12 +342,16 @@ def _trainer_args(settings: BenchSettings, name: str, output_dir: str, world_siz
     )
     if world_size > 1:
         kwargs["ddp_backend"] = "gloo" if settings.device == "cpu" else "nccl"
-    if name == "stock":
+    if name.startswith("stock"):
+        if name in _STOCK_SAMPLING:
+            kwargs["train_sampling_strategy"] = _STOCK_SAMPLING[name]
         return TrainingArguments(**kwargs)
     if name == "regroup":
         kwargs["regroup_micro_batches"] = True
     elif name == "budget":
         kwargs["max_tokens_per_micro_batch"] = settings.max_tokens_per_micro_batch
+    elif name == "pack":
+        kwargs.update(pack_micro_batches=True, max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch)
     return GradAccConfig(**kwargs)
 
 
@@ -342,7 +361,7 @@ def _flat_params(model: torch.nn.Module) -> torch.Tensor:
 
 def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
     """Measure every trainer of ``settings.trainers`` on ``dataset`` in one interleaved run."""
-    from transformers import PrinterCallback, Trainer
+    from transformers import DataCollatorWithFlattening, PrinterCallback, Trainer
 
     from ..trainer import GradAccTrainer
     from .tiny import ListDataset, PaddingCollator
@@ -359,7 +378,7 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
     )
     samples = make_bench_samples(settings, dataset, num_samples)
     longest = max(len(s["input_ids"]) for s in samples)
-    if "budget" in settings.trainers and longest > settings.max_tokens_per_micro_batch:
+    if {"budget", "pack"} & set(settings.trainers) and longest > settings.max_tokens_per_micro_batch:
         settings = replace(settings, max_tokens_per_micro_batch=longest)
         logger.warning(f"bench: token budget raised to the longest sample ({longest} tokens)")
     model = build_bench_model(settings)
@@ -367,17 +386,17 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
     probe = _MemoryProbe(settings.device)
     trainers: dict[str, Any] = {}
     turns: dict[str, Any] = {}
-    counters: dict[str, _TokenCounter] = {}
     with tempfile.TemporaryDirectory(prefix="hf_gradacc_bench_") as tmp:
         for name in settings.trainers:
-            counters[name] = _TokenCounter(PaddingCollator())
             turns[name] = _turn_callback(name, probe, world_size)
-            trainer_class = Trainer if name == "stock" else GradAccTrainer
+            base = Trainer if name.startswith("stock") else GradAccTrainer
+            trainer_class = type(f"Counting{base.__name__}", (_Counting, base), {})
+            collator = DataCollatorWithFlattening() if name == "stock_flatten" else PaddingCollator()
             trainers[name] = trainer_class(
                 model=copy.deepcopy(model),
                 args=_trainer_args(settings, name, os.path.join(tmp, name), world_size),
                 train_dataset=ListDataset(samples),
-                data_collator=counters[name],
+                data_collator=collator,
                 callbacks=[turns[name]],
             )
             trainers[name].remove_callback(PrinterCallback)  # disable_tqdm prints every log line otherwise
@@ -398,20 +417,23 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
             reference = finals["plain"] - initial
             diff = float((finals[name] - finals["plain"]).norm() / reference.norm())
         steps = len(turns[name].step_times)
+        counter = trainers[name]
         rows.append(
             BenchRow(
                 dataset=dataset,
                 trainer=name,
+                vocab_size=settings.vocab_size,
                 median_step_time_s=statistics.median(times),
                 step_time_ratio=statistics.median(ratios),
                 total_time_ratio=sum(times) / sum(stock_times),
-                computed_per_real_token=counters[name].computed / max(counters[name].real, 1),
+                computed_per_real_token=counter.computed / max(counter.real, 1),
                 peak_memory_bytes=peak,
                 peak_memory_ratio=peak / stock_peak if stock_peak > 0 else float("nan"),
                 reductions_per_step=turns[name].reductions / steps if world_size > 1 else None,
-                micro_batches_per_step=counters[name].micro_batches / steps,
+                micro_batches_per_step=counter.micro_batches / steps,
                 relative_update_difference=diff,
                 step_times_s=tuple(times),
+                step_peaks_bytes=tuple(turns[name].step_peaks[skip:]),
             )
         )
     return rows
@@ -424,8 +446,9 @@ def run_benchmark(settings: BenchSettings) -> list[BenchRow]:
     if settings.num_threads is not None and not settings.device.startswith("cuda"):
         torch.set_num_threads(settings.num_threads)
     rows = []
-    for dataset in settings.datasets:
-        rows += bench_dataset(settings, dataset)
+    for vocab_size in settings.vocab_sizes or (settings.vocab_size,):
+        for dataset in settings.datasets:
+            rows += bench_dataset(replace(settings, vocab_size=vocab_size), dataset)
     return rows
 
 
@@ -439,16 +462,16 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         ```
     """
     header = (
-        "| data | trainer | step time (median) | step time ratio vs stock (median of pairs) | total time ratio | "
+        "| data | vocab | trainer | step time (median) | step time ratio vs stock (median of pairs) | total time ratio | "
         "computed / real tokens | peak memory ratio | micro-batches / step | reductions / step | "
         "update diff vs GradAccTrainer |"
     )
-    lines = [header, "|" + " --- |" * 10]
+    lines = [header, "|" + " --- |" * 11]
     for r in rows:
         reductions = "n/a (1 process)" if r.reductions_per_step is None else f"{r.reductions_per_step:.2f}"
         diff = "-" if r.relative_update_difference is None else f"{r.relative_update_difference:.1e}"
         lines.append(
-            f"| {r.dataset} | {_TRAINER_LABELS[r.trainer]} | {r.median_step_time_s * 1e3:.0f} ms | "
+            f"| {r.dataset} | {r.vocab_size} | {_TRAINER_LABELS[r.trainer]} | {r.median_step_time_s * 1e3:.0f} ms | "
             f"{r.step_time_ratio:.3f} | {r.total_time_ratio:.3f} | {r.computed_per_real_token:.3f} | "
             f"{r.peak_memory_ratio:.3f} | {r.micro_batches_per_step:.1f} | {reductions} | {diff} |"
         )
@@ -473,3 +496,31 @@ def environment() -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- command line
+
+
+def plot_benchmark(rows: Sequence[BenchRow], path: str) -> None:
+    """Draw, per dataset and vocabulary, the distribution of every trainer's step times and peak memory (box plots)
+    into ``path`` (a PNG). Needs matplotlib (``pip install "hf_gradacc[plot]"``)."""
+    from .loss_curves import require_matplotlib
+
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r.dataset, r.vocab_size) for r in rows})
+    fig, axes = plt.subplots(len(groups), 2, figsize=(13, 3.2 * len(groups) + 0.6), squeeze=False)
+    for (dataset, vocab), (times_ax, memory_ax) in zip(groups, axes):
+        group = [r for r in rows if (r.dataset, r.vocab_size) == (dataset, vocab)]
+        labels = [_TRAINER_LABELS[r.trainer] for r in group]
+        times_ax.boxplot([[t * 1e3 for t in r.step_times_s] for r in group], vert=False, tick_labels=labels)
+        times_ax.set_xlabel("step time (ms)")
+        times_ax.set_title(f"{dataset}, vocabulary {vocab}: step time")
+        memory_ax.boxplot([[b / 2**20 for b in r.step_peaks_bytes] for r in group], vert=False, tick_labels=labels)
+        memory_ax.set_xlabel("peak memory within a step (MiB)")
+        memory_ax.set_title(f"{dataset}, vocabulary {vocab}: peak memory")
+        memory_ax.set_yticklabels([])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -197,6 +197,7 @@ class PaddingCollator:
 
     pad_token_id: int = PAD_TOKEN_ID
     ignore_index: int = IGNORE_INDEX
+    only_pads: ClassVar[bool] = True  # nothing but padding: packing may replace it without a warning
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         width = max(len(s["input_ids"]) for s in samples)

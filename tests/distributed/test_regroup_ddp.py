@@ -17,7 +17,7 @@ TOLERANCE = 1e-5
 NPROC = 2
 BS, GA = 2, 4
 BUDGET = 40  # workers/regroup_cases.py
-MODES = ("plain", "regroup", "budget")
+MODES = ("plain", "regroup", "budget", "pack")
 
 
 # ---------------------------------------------------------------------------------------------- the test
@@ -45,7 +45,7 @@ def merged_windows(ranks: list[dict], run: str) -> list[list[int]]:
 @pytest.mark.parametrize("run", ["sgd", "adamw"])
 def test_regrouped_ddp_equals_plain(results, run):
     plain = merged_windows(results, f"{run}_plain")
-    for mode in ("regroup", "budget"):
+    for mode in ("regroup", "budget", "pack"):
         assert merged_windows(results, f"{run}_{mode}") == plain  # the same samples in every optimizer step
         for rank in results:
             out = rank[f"{run}_{mode}"]
@@ -59,6 +59,8 @@ def test_regrouped_ddp_equals_plain(results, run):
             assert all(mb == count - 1 for mb, count in zip(out["reduced_on_micro_batch"], counts))
     budget = [r[f"{run}_budget"] for r in results]
     assert all(size <= BUDGET for r in budget for size in r["padded_per_micro_batch"])
+    for rank in results:  # packed: one row per micro-batch, every computed position a real token
+        assert rank[f"{run}_pack"]["padded_per_micro_batch"] == rank[f"{run}_pack"]["real_per_micro_batch"]
     if run == "sgd":
         for rank in results:
             for mode in MODES:

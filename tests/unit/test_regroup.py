@@ -345,8 +345,8 @@ def test_resume_mid_epoch_with_a_token_budget_replays_the_same_steps(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- the benchmark
-def test_bench_runs_interleaved_and_reports_exact_updates():
-    from hf_gradacc.testing.benchmark import BenchSettings, format_table, run_benchmark
+def test_bench_runs_interleaved_and_reports_exact_updates(tmp_path):
+    from hf_gradacc.testing.benchmark import BenchSettings, format_table, plot_benchmark, run_benchmark
 
     settings = BenchSettings(
         hidden_size=32,
@@ -362,14 +362,20 @@ def test_bench_runs_interleaved_and_reports_exact_updates():
         datasets=("long_tailed",),
     )
     rows = {r.trainer: r for r in run_benchmark(settings)}
-    assert set(rows) == {"stock", "plain", "regroup", "budget"}
-    assert all(len(r.step_times_s) == 2 for r in rows.values())
+    assert set(rows) == {"stock", "stock_group_by_length", "stock_batch_rebalance", "stock_flatten", "plain", "regroup",
+                         "budget", "pack"}  # fmt: skip
+    assert all(len(r.step_times_s) == 2 == len(r.step_peaks_bytes) for r in rows.values())
     assert rows["regroup"].computed_per_real_token < rows["plain"].computed_per_real_token
     assert rows["plain"].computed_per_real_token == rows["stock"].computed_per_real_token  # same grouping
-    assert rows["regroup"].relative_update_difference <= TOL and rows["budget"].relative_update_difference <= TOL
+    assert rows["pack"].computed_per_real_token == rows["stock_flatten"].computed_per_real_token == 1.0  # no padding
+    for name in ("regroup", "budget", "pack"):  # the same samples per step: the same update
+        assert rows[name].relative_update_difference <= TOL, name
+    assert rows["stock_batch_rebalance"].relative_update_difference > 0.01  # it moves samples between steps
     assert rows["stock"].reductions_per_step is None  # one process: n/a
     table = format_table(list(rows.values()))
-    assert "GradAccTrainer + token budget" in table and "n/a" in table
+    assert "GradAccTrainer + packed" in table and "Trainer, batch_rebalance" in table and "n/a" in table
+    plot_benchmark(list(rows.values()), str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bench_cli_parser_and_gpu_script_without_cuda(capsys):
@@ -381,9 +387,11 @@ def test_bench_cli_parser_and_gpu_script_without_cuda(capsys):
 
     parser = argparse.ArgumentParser(prog="hf-gradacc")
     bench.bench_command_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bench", "--steps", "3", "--datasets", "equal", "--trainers", "stock,regroup"])
+    args = parser.parse_args(["bench", "--steps", "3", "--datasets", "equal", "--trainers", "stock,pack",
+                              "--vocab-sizes", "96,32000"])  # fmt: skip
     settings = bench.settings_from_args(args)
-    assert (settings.num_steps, settings.datasets, settings.trainers) == (3, ("equal",), ("stock", "regroup"))
+    assert (settings.num_steps, settings.datasets, settings.trainers) == (3, ("equal",), ("stock", "pack"))
+    assert settings.vocab_sizes == (96, 32000)
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--trainers", "stock,nope"])
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"

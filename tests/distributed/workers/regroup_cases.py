@@ -22,33 +22,45 @@ from tests.distributed.workers._common import DDPCommHookCounter, finish_worker,
 
 BS, GA = 2, 4
 BUDGET = 40
-MODES = {"plain": {}, "regroup": {"regroup_micro_batches": True}, "budget": {"max_tokens_per_micro_batch": BUDGET}}
+MODES = {
+    "plain": {},
+    "regroup": {"regroup_micro_batches": True},
+    "budget": {"max_tokens_per_micro_batch": BUDGET},
+    "pack": {"pack_micro_batches": True},
+}
 
 
 def _worker() -> None:
     torch.set_num_threads(1)
     world = world_size()
 
-    class Recorder(PaddingCollator):
-        def __init__(self, ids: dict[tuple[int, ...], int]) -> None:
-            super().__init__()
-            self.ids = ids
-            self.micro_batches: list[list[int]] = []
-
-        def __call__(self, samples):
-            self.micro_batches.append([self.ids[tuple(s["input_ids"])] for s in samples])
-            return super().__call__(samples)
-
     class Probe(GradAccTrainer):
+        """Records, for every micro-batch it fetches, the ids of its samples and the token positions it computes
+        (rows x width of a padded batch, the length of a packed row)."""
+
+        ids: dict[tuple[int, ...], int] = {}
+
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
             self.__dict__.setdefault("window_sizes", []).append(len(batches))
+            for batch in batches:
+                self.__dict__.setdefault("micro_batches", []).append(self._sample_ids(batch))
+                self.__dict__.setdefault("computed", []).append(int(batch["input_ids"].numel()))
+                real = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
+                self.__dict__.setdefault("real", []).append(int(real))
             return batches, count
+
+        def _sample_ids(self, batch) -> list[int]:
+            ids = batch["input_ids"].cpu()
+            if "cu_seq_lens_q" in batch:  # one packed row: cut at the sequence offsets
+                offsets = batch["cu_seq_lens_q"].tolist()
+                return [self.ids[tuple(ids[0, a:b].tolist())] for a, b in zip(offsets[:-1], offsets[1:])]
+            lengths = batch["attention_mask"].sum(-1).tolist()
+            return [self.ids[tuple(row[:n].tolist())] for row, n in zip(ids, lengths)]
 
     def train(samples, mode, *, sgd, **overrides):
         ids = {tuple(s["input_ids"]): k for k, s in enumerate(samples)}
         assert len(ids) == len(samples), "sample ids must be unique"
-        collator = Recorder(ids)
         model = build_tiny_model("causal_lm", seed=0)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         args = one_step_args(
@@ -68,11 +80,12 @@ def _worker() -> None:
             model=model,
             args=args,
             train_dataset=ListDataset(samples),
-            data_collator=collator,
+            data_collator=PaddingCollator(),
             optimizers=optimizers,
             callbacks=[counter],
         )
         counter.bind(trainer)
+        trainer.ids = ids
         trainer.train()
         update = {n: initial[n] - p.detach() for n, p in model.named_parameters()}
         flat = torch.cat([update[n].double().reshape(-1) for n in sorted(update)])
@@ -80,16 +93,16 @@ def _worker() -> None:
         dist.broadcast(from_rank0, src=0)
         windows, start = [], 0
         for size in trainer.window_sizes:
-            windows.append(collator.micro_batches[start : start + size])
+            windows.append(trainer.micro_batches[start : start + size])
             start += size
         calls = [(c["step"], c["micro_batch"]) for c in counter.calls]
         steps = sorted({step for step, _ in calls})
-        lengths = {k: len(s["input_ids"]) for k, s in enumerate(samples)}
-        padded = [len(b) * max(lengths[i] for i in b) for b in collator.micro_batches]
+        padded = trainer.computed
         return (
             {
                 "windows": windows,
                 "padded_per_micro_batch": padded,
+                "real_per_micro_batch": trainer.real,
                 "padded_tokens": sum(padded),
                 "reductions_per_step": [sum(1 for s, _ in calls if s == step) for step in steps],
                 "reduced_on_micro_batch": [max(mb for s, mb in calls if s == step) for step in steps],
