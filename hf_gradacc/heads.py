@@ -207,7 +207,9 @@ class Head:
             problem_type=self.problem_type_of(batch.get(LABEL_KEY)),
             allow_unlabelled=self.allow_unlabelled,
         )
-        return replace(counts, num_input_tokens=input_token_count(batch))
+        inputs = batch.get("input_ids", batch.get("inputs_embeds"))
+        positions = int(inputs.shape[0] * inputs.shape[1]) if torch.is_tensor(inputs) and inputs.dim() >= 2 else 0
+        return replace(counts, num_input_tokens=input_token_count(batch), num_positions=positions)
 
     def check_labels(self, batch: Mapping[str, Any]) -> None:
         """Raise :class:`~hf_gradacc.GradAccDataError` for labels this head cannot train on: the wrong shape for the

@@ -25,7 +25,7 @@ LABEL_KEY = "labels"
 SHIFT_LABELS_KEY = "shift_labels"
 
 # Order of the values in the per-rank count vector that is gathered once per window.
-_TOKENS, _SAMPLES, _INPUT_TOKENS, _SEEN_TOKENS, _MICRO_BATCHES, _FAILED = range(6)
+_TOKENS, _SAMPLES, _INPUT_TOKENS, _SEEN_TOKENS, _POSITIONS, _MICRO_BATCHES, _FAILED = range(7)
 # Denominator kinds of a streamed window, in the column order of its gathered count vector.
 STREAMED_KINDS: tuple[str, ...] = ("tokens", "samples", "custom")
 
@@ -40,6 +40,7 @@ class MicroBatchCounts:
         num_input_tokens: input positions the model attends to (``attention_mask == 1``; every position without a
             mask): the ``"input_tokens"`` denominator, e.g. the tokens a mixture-of-experts router sees.
         num_seen_tokens: input tokens as `TrainingArguments.include_num_input_tokens_seen` counts them (0 when off).
+        num_positions: token positions the model computes (``input_ids`` size: padding included).
         labelled: False when the micro-batch has no labels (only samples can be counted).
     """
 
@@ -47,6 +48,7 @@ class MicroBatchCounts:
     num_samples: int
     num_input_tokens: int = 0
     num_seen_tokens: int = 0
+    num_positions: int = 0
     labelled: bool = True
 
     def get(self, denominator: str) -> int:
@@ -67,6 +69,7 @@ class WindowCounts:
     num_micro_batches_per_rank: tuple[int, ...]
     global_input_tokens: int = 0
     global_seen_tokens: int = 0
+    global_positions: int = 0
 
     @property
     def labelled(self) -> bool:
@@ -173,6 +176,7 @@ def gather_window_counts(
             sum(mb.num_samples for mb in micro_batches),
             sum(mb.num_input_tokens for mb in micro_batches),
             sum(mb.num_seen_tokens for mb in micro_batches),
+            sum(mb.num_positions for mb in micro_batches),
             len(micro_batches),
             int(error is not None),
         ],
@@ -195,6 +199,7 @@ def gather_window_counts(
         num_micro_batches_per_rank=tuple(int(n) for n in rows[:, _MICRO_BATCHES]),
         global_input_tokens=int(rows[:, _INPUT_TOKENS].sum()),
         global_seen_tokens=int(rows[:, _SEEN_TOKENS].sum()),
+        global_positions=int(rows[:, _POSITIONS].sum()),
     )
 
 
@@ -476,6 +481,7 @@ class Window:
         kind_code = -1 if self.streamed_kind is None else STREAMED_KINDS.index(self.streamed_kind)
         values = [local.local_tokens, local.local_samples, self.streamed_custom, self.num_micro_batches, kind_code]
         values += [local.local_input_tokens, local.local_seen_tokens, int(self.error is not None)]
+        values.append(sum(mb.num_positions for mb in local.micro_batches))
         rows = all_gather(torch.tensor(values, dtype=torch.int64, device=device)).reshape(-1, len(values)).cpu()
         failed = [r for r in range(rows.shape[0]) if int(rows[r, 7])]
         if self.error is not None:
@@ -492,6 +498,7 @@ class Window:
             num_micro_batches_per_rank=tuple(int(n) for n in rows[:, 3]),
             global_input_tokens=int(rows[:, 5].sum()),
             global_seen_tokens=int(rows[:, 6].sum()),
+            global_positions=int(rows[:, 8].sum()),
         )
         if int(rows[:, 3].max()) == 0:
             return None
