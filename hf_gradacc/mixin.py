@@ -1,13 +1,13 @@
 """`GradAccMixin`: what makes accumulation exact, for any `transformers.Trainer` subclass.
 
-One optimizer step reads top-down in this file:
+One optimizer step reads top-down from ``_run_epoch`` here, through :mod:`hf_gradacc.step` and back:
 
-1. ``_run_epoch`` takes the epoch one window at a time: ``_open_window`` fetches and counts the step's micro-batches
-   (one collective), ``_train_window`` runs them, ``_optimizer_step`` applies the step;
-2. ``_run_micro_batches`` runs every micro-batch through ``training_step`` inside the backend's sync context, and
-   retries a window that ran out of memory (``auto_micro_batch``);
+1. ``_run_epoch`` takes the epoch one window at a time: :func:`~hf_gradacc.step.open_window` fetches and counts the
+   step's micro-batches (one collective), :func:`~hf_gradacc.step.train_window` runs them,
+   :func:`~hf_gradacc.step.optimizer_step` applies the step;
+2. every micro-batch goes through ``training_step`` (here), inside the backend's sync context;
 3. ``training_step`` calls ``compute_loss``, has the :class:`~hf_gradacc.window.Window` normalise what it returned
-   by the step's global counts, and back-propagates through the backend.
+   by the step's global counts, and back-propagates through the backend (``backward``).
 
 The step's state travels in the ``Window``; the only step state on the trainer is ``current_window``, the window in
 flight, because `Trainer`'s ``training_step`` / ``compute_loss`` signatures cannot carry it.
@@ -16,7 +16,6 @@ flight, because `Trainer`'s ``training_step`` / ``compute_loss`` signatures cann
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from functools import partial
@@ -31,23 +30,20 @@ from .backends import Backend, resolve_backend
 from .builtin_loss import MAIN_TERM, batch_mean_loss, builtin_loss, model_mean_loss
 from .callbacks.base import GradAccCallback
 from .checkpoints import latest_complete_checkpoint
-from .checks import LossCheck, agree, start_up_check
+from .checks import start_up_check
 from .config import GradAccSettings, resolve_settings
 from .data.loader import adjust_training_values, build_train_dataloader, check_train_dataset, fetch_batches, plan_epoch
 from .data.pack import check_packing_support
 from .distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
-from .errors import GradAccConfigError, GradAccDataError, GradAccUsageError
+from .errors import GradAccConfigError, GradAccUsageError
 from .grads import AccumulatedGradHook, GradAccess
 from .heads import Head, seen_token_count
 from .loss import LossTerm, parse_loss_output
-from .memory import halve_rows, is_out_of_memory, release_memory
-from .nonfinite import must_skip, poison_nonfinite
+from .nonfinite import poison_nonfinite
+from .step import DATA_RAN_OUT, open_window, optimizer_step, train_window
 from .window import LABEL_KEY, PACKED_KEY, MicroBatchCounts, TermLog, Window
 
 logger = logging.get_logger(__name__)
-
-_DATA_RAN_OUT = object()  # _train_window's answer when no rank had a micro-batch left
-
 
 class GradAccMixin:
     """Exact gradient accumulation for any `transformers.Trainer` subclass: put it FIRST in the bases.
@@ -281,18 +277,18 @@ class GradAccMixin:
         for num_batches in plan.num_batches:
             window = None
             try:
-                window = self._open_window(plan.epoch_iterator, num_batches)
+                window = open_window(self, plan.epoch_iterator, num_batches)
                 if rng_to_sync:  # the skipped batches drew from the RNG: restore the checkpoint's state now
                     self._load_rng_state(resume_from_checkpoint)
                     rng_to_sync = False
-                tr_loss_step = self._train_window(model, window, plan.epoch_iterator, num_batches)
+                tr_loss_step = train_window(self, model, window, plan.epoch_iterator, num_batches)
                 any_rank_had_data = any_rank_had_data or sum(window.counts.num_micro_batches_per_rank) > 0
-                if tr_loss_step is _DATA_RAN_OUT:
+                if tr_loss_step is DATA_RAN_OUT:
                     break  # the data ran out on every rank: the epoch ends here, nothing is carried over
                 step += window.num_micro_batches
                 if tr_loss_step is None:
                     continue  # no counted item on any rank: skipped, parameters unchanged
-                stepped = self._optimizer_step(window)
+                stepped = optimizer_step(self, window)
                 if stepped is None:
                     continue  # a non-finite step, dropped on every rank: parameters and optimizer state unchanged
                 grad_norm, learning_rate = stepped
@@ -340,181 +336,6 @@ class GradAccMixin:
         # a packed row has no padding (and may hold end-of-sequence ids equal to the pad id): every token counts
         pad_id = None if PACKED_KEY in batch else getattr(self.processing_class, "pad_token_id", None)
         return replace(counts, num_seen_tokens=seen_token_count(main, batch.get("attention_mask"), mode, pad_id))
-
-    def _open_window(self, epoch_iterator: Iterator, num_batches: int) -> Window:
-        """The next optimizer step: prefetched and counted over all ranks (one collective), or streamed."""
-        world = self.backend.dp_world_size
-        if self.gradacc.defer_normalization:
-            window = Window.stream(dp_world_size=world)
-        else:
-            batches, _ = self.get_batch_samples(epoch_iterator, num_batches, self.args.device)
-            window = Window.prefetched(
-                batches,
-                count=self._count,
-                all_gather=self.backend.all_gather,
-                device=self.args.device,
-                dp_world_size=world,
-                defers_sync=self.gradacc.auto_micro_batch,
-            )
-            if self._auto_rows is not None:
-                window.resplit(self._auto_rows, self._count)
-            self.current_gradient_accumulation_steps = max(window.num_micro_batches, 1)
-        self._window = window
-        if not window.streamed:
-            self._call_event("on_window_counted", window=window)
-        return window
-
-    def _skip_window(self, window: Window) -> None:
-        self.num_skipped_windows += 1
-        logger.warning(
-            f"Optimizer step {self.state.global_step + 1} has no counted {self.primary_denominator} on any rank "
-            f"(every label is {self.head.ignore_index}): skipped, parameters unchanged ({self.num_skipped_windows} "
-            "skipped so far)."
-        )
-
-    def _train_window(self, model: nn.Module, window: Window, epoch_iterator: Iterator, num_batches: int) -> Any:
-        """Every micro-batch of ``window``, forward and backward; returns the step's logged loss, None for a step
-        skipped because nothing is counted on any rank, or ``_DATA_RAN_OUT``.
-
-        Every branch depends only on counts gathered from all ranks, so all ranks take it together.
-        """
-        if not window.streamed:
-            per_rank = window.counts.num_micro_batches_per_rank
-            if max(per_rank) == 0:
-                return _DATA_RAN_OUT
-            if min(per_rank) == 0:
-                raise GradAccDataError(
-                    f"Ranks hold different numbers of micro-batches for this optimizer step ({list(per_rank)}); a "
-                    "rank with none cannot join the gradient reduction. Keep `dataloader_drop_last=False` with "
-                    "accelerate's `even_batches=True` (the default), or give every rank the same number of batches."
-                )
-            if window.global_count(self.primary_denominator) == 0:
-                self._skip_window(window)
-                return None
-        self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
-        total = self._run_micro_batches(model, window, epoch_iterator, num_batches)
-        if self._loss_check_due:  # every rank joins, with its verdict or none: one collective, once
-            agree(self._loss_check or LossCheck(), self.backend.all_gather, self.args.device)
-            self._loss_check_due, self._loss_check = False, None
-        if window.streamed:
-            global_count = window.finish_streamed(self.backend.all_gather, self.args.device)
-            self._call_event("on_window_counted", window=window)
-            if global_count is None:
-                return _DATA_RAN_OUT
-            self.backend.sync_window()
-            if global_count == 0:
-                self.backend.zero_grad()
-                self._skip_window(window)
-                return None
-            self.backend.scale_grads(1.0 / global_count)
-            total = total / global_count
-        # accelerate's optimizer wrapper only steps when it believes the gradients are synced.
-        self.accelerator.gradient_state._set_sync_gradients(True)
-        self.state.num_input_tokens_seen += window.counts.global_seen_tokens
-        return total
-
-    def _run_micro_batches(self, model: nn.Module, window: Window, epoch_iterator: Iterator, num_batches: int):
-        """Forward and backward passes of every micro-batch of the window; returns the window's logged loss.
-
-        With ``auto_micro_batch``, an out-of-memory error on any rank makes EVERY rank drop the window's partial
-        gradient, halve the rows per micro-batch and run the same samples again: the update is unchanged (the
-        global denominator does not depend on the grouping), nothing hangs (no collective runs inside the window
-        in that mode), and the smaller size is kept for the rest of training.
-        """
-        retry = self.gradacc.auto_micro_batch
-        while True:
-            window.final_backward_done = False
-            window.term_totals, window.losses = {}, []
-            out_of_memory, total = None, None
-            try:
-                total = self._micro_batch_loop(model, window, epoch_iterator, num_batches)
-            except Exception as error:  # noqa: BLE001 - only out-of-memory errors are caught, the rest re-raised
-                if not (retry and is_out_of_memory(error)):
-                    raise
-                out_of_memory = error
-                release_memory()
-            if not retry:
-                break
-            # One flag per rank, agreed before anything else communicates: every rank retries, or none does.
-            flags = self.backend.all_gather(torch.tensor([int(out_of_memory is not None)], device=self.args.device))
-            if not bool(flags.max()):
-                self.backend.sync_window()
-                break
-            self.backend.zero_grad()
-            previous, self._auto_rows = halve_rows(window, self._auto_rows, cause=out_of_memory)
-            logger.warning(
-                f"auto_micro_batch: out of memory on {'this' if out_of_memory is not None else 'another'} rank; micro-batches now "
-                f"hold at most {self._auto_rows} row(s) (were {previous}). The optimizer step's samples and update are "
-                "unchanged; the step is recomputed."
-            )
-            self.add_log_metrics({"auto_micro_batch_rows": self._auto_rows})
-            window.resplit(self._auto_rows, self._count)
-        if not window.streamed and not window.final_backward_done:
-            raise GradAccUsageError(
-                "The optimizer step's last micro-batch ran no final backward pass: a custom `training_step` must call "
-                "`self.backward(loss, final=self.is_last_micro_batch)` (or super().training_step)."
-            )
-        return total
-
-    def _micro_batch_loop(self, model: nn.Module, window: Window, epoch_iterator: Iterator, num_batches: int):
-        """One pass over the window's micro-batches (prefetched, or pulled from the iterator when streamed)."""
-        batches = window.pull(epoch_iterator, num_batches, self._count) if window.streamed else window.micro_batches
-        total = torch.zeros((), device=self.args.device)
-        flops, num_items = 0.0, None
-        if not window.streamed:
-            num_items = torch.tensor(window.global_count(self.primary_denominator), device=self.args.device)
-        for i, inputs in enumerate(batches):
-            window.index = 0 if window.streamed else i
-            is_last = window.is_last
-            self.accelerator.gradient_state._set_sync_gradients(is_last)
-            try:
-                with self.backend.sync_context(is_last=is_last), self.training_step_context():
-                    loss = self.training_step(model, inputs, num_items)
-                window.losses.append(loss.detach())
-                total = total + loss.to(total.device)
-            finally:
-                window.index = None
-            flops += float(self.floating_point_ops(inputs))
-            if not is_last:
-                self.control = self.callback_handler.on_substep_end(self.args, self.state, self.control)
-        self.current_flos += flops
-        return total
-
-    def _optimizer_step(self, window: Window) -> tuple[torch.Tensor, float] | None:
-        """Hooks, norm and clipping, `on_pre_optimizer_step`, the step, the scheduler; returns the pre-clip norm and
-        the learning rate the step used, or None for a non-finite step dropped on every rank (``nonfinite_steps``)."""
-        window.grads_ready = True
-        try:
-            self.grads.run_hooks(self._accumulated_grad_hooks)
-            self._call_event("on_accumulated_grads")
-            max_norm = self.args.max_grad_norm
-            grad_norm = self.backend.clip_grad_norm(max_norm if max_norm is not None and max_norm > 0 else float("inf"))
-            policy = "propagate" if self.backend.scales_loss else self.gradacc.nonfinite_steps  # a scaler skips itself
-            step = self.state.global_step + 1
-            if must_skip(policy, grad_norm, step=step, rank=self.args.process_index, losses=window.losses):
-                self.num_nonfinite_skipped += 1
-                self.add_log_metrics({"nonfinite_skipped": self.num_nonfinite_skipped})
-                self.backend.skip_step()
-                return None
-            self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
-        finally:
-            window.grads_ready = False
-        self.backend.optimizer_step(self.optimizer)
-        self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
-        learning_rate = self._get_learning_rate()  # the rate this step used, before the scheduler moves on
-        if not self.accelerator.optimizer_step_was_skipped and not isinstance(
-            self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau
-        ):
-            self.lr_scheduler.step()
-        self.backend.zero_grad()
-        self._term_log.add(window)
-        return grad_norm, learning_rate
-
-    def _call_event(self, event: str, **kwargs: Any) -> None:
-        """`CallbackHandler.call_event` for an hf_gradacc event, on the callbacks that define it."""
-        handler = copy.copy(self.callback_handler)
-        handler.callbacks = [cb for cb in self.callback_handler.callbacks if callable(getattr(cb, event, None))]
-        self.control = handler.call_event(event, self.args, self.state, self.control, **kwargs)
 
     # ------------------------------------------------------------------ one micro-batch (Trainer hooks)
     def training_step_context(self) -> contextlib.AbstractContextManager:
