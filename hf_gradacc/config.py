@@ -22,6 +22,7 @@ from transformers.utils import logging
 
 from .errors import GradAccConfigError
 from .loss import HEAD_TYPES, IGNORE_INDEX
+from .schedule import AccumulationSchedule, LrScaling, check_lr_scaling
 
 logger = logging.get_logger(__name__)
 
@@ -31,6 +32,9 @@ NonFiniteSteps = Literal["skip", "raise", "propagate"]
 ZERO_REDUCTIONS: tuple[str, ...] = get_args(ZeroReduction)
 FSDP_SYNCS: tuple[str, ...] = get_args(FsdpSync)
 NONFINITE_STEPS: tuple[str, ...] = get_args(NonFiniteSteps)
+BatchNormMode = Literal["per_micro_batch", "freeze_stats", "precise"]
+BATCHNORM_MODES: tuple[str, ...] = get_args(BatchNormMode)
+PRECISE_BN_BATCHES = 100  # default of `precise_bn_batches`
 
 
 @dataclass
@@ -159,6 +163,40 @@ class GradAccArguments:
             "micro-batch, rows x longest row). The step keeps exactly its samples; the update is unchanged."
         },
     )
+    accumulation_schedule: str | None = field(
+        default=None,
+        metadata={
+            "help": "Gradient accumulation that changes during training, as 'step:accumulation,...' (0-based "
+            "optimizer steps), e.g. '0:1,200:4,1000:8'; steps before the first entry use "
+            "`gradient_accumulation_steps`. Every step is exact for its own window; `max_steps`, epochs, the "
+            "scheduler and resuming follow the schedule. Not combined with regrouping or packing."
+        },
+    )
+    lr_scaling: str = field(
+        default="none",
+        metadata={
+            "help": "With `accumulation_schedule`: scale the scheduler's learning rate by the step's accumulation "
+            "relative to `gradient_accumulation_steps` (the accumulation the rate was set for): 'none', 'linear' "
+            "(x GA/base) or 'sqrt' (x sqrt(GA/base)). The logged `learning_rate` is the rate the step used."
+        },
+    )
+    batchnorm: str = field(
+        default="per_micro_batch",
+        metadata={
+            "help": "BatchNorm layers under accumulation: 'per_micro_batch' (stock: each micro-batch is normalised by "
+            "its own statistics, so the step is not the full-batch step; a warning says so once), 'freeze_stats' "
+            "(BatchNorm layers normalise with their running statistics and never update them during training: the "
+            "step is exact) or 'precise' (train as stock, then recompute the running statistics over "
+            "`precise_bn_batches` training batches before each evaluation, each save and the end of training)."
+        },
+    )
+    precise_bn_batches: int = field(
+        default=PRECISE_BN_BATCHES,
+        metadata={
+            "help": "`batchnorm='precise'`: training micro-batches (per process) whose statistics, averaged with "
+            "equal weight, become the running statistics before each evaluation and save."
+        },
+    )
 
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
@@ -248,6 +286,10 @@ class GradAccSettings:
     regroup_micro_batches: bool = False
     max_tokens_per_micro_batch: int | None = None
     pack_micro_batches: bool = False
+    batchnorm: BatchNormMode = "per_micro_batch"
+    precise_bn_batches: int = PRECISE_BN_BATCHES
+    accumulation_schedule: AccumulationSchedule | None = None
+    lr_scaling: LrScaling = "none"
 
     @property
     def regroups(self) -> bool:
@@ -316,6 +358,8 @@ def resolve_settings(args: TrainingArguments | GradAccArguments, overrides: Any 
             "`defer_normalization=True` cannot be combined with `auto_micro_batch` or `backward_per_term`; turn one "
             "of them off."
         )
+    _check_batchnorm(settings)
+    settings = _resolve_schedule(settings, args)
 
     if isinstance(args, TrainingArguments):
         _check_training_arguments(args, settings)
@@ -349,3 +393,38 @@ def _check_training_arguments(args: TrainingArguments, settings: GradAccSettings
             "so it cannot be combined with `regroup_micro_batches` / `max_tokens_per_micro_batch`: set "
             "`train_sampling_strategy='random'` to keep the stock windows, or turn regrouping off."
         )
+
+
+def _check_batchnorm(settings: GradAccSettings) -> None:
+    if settings.batchnorm not in BATCHNORM_MODES:
+        raise GradAccConfigError(f"`batchnorm` ({settings.batchnorm!r}) must be one of {BATCHNORM_MODES}")
+    batches = settings.precise_bn_batches
+    if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
+        raise GradAccConfigError(f"`precise_bn_batches` ({batches!r}) must be an int >= 1")
+    if settings.batchnorm != "precise" and batches != PRECISE_BN_BATCHES:
+        logger.warning_once(
+            f"`precise_bn_batches` ({batches}) is ignored: it is used only with `batchnorm='precise'` (got "
+            f"{settings.batchnorm!r})."
+        )
+
+
+def _resolve_schedule(settings: GradAccSettings, args: Any) -> GradAccSettings:
+    """Parse ``accumulation_schedule`` against ``gradient_accumulation_steps`` (the base of ``lr_scaling``)."""
+    check_lr_scaling(settings.lr_scaling)
+    spec = settings.accumulation_schedule
+    if spec is None or spec == "":
+        if settings.lr_scaling != "none":
+            logger.warning_once(
+                f"`lr_scaling` ({settings.lr_scaling!r}) is ignored: it scales the learning rate only with an "
+                "`accumulation_schedule`."
+            )
+        return dataclasses.replace(settings, accumulation_schedule=None)
+    base = getattr(args, "gradient_accumulation_steps", 1)
+    schedule = AccumulationSchedule.parse(spec, base=base if isinstance(base, int) and base >= 1 else 1)
+    if settings.regroups:
+        raise GradAccConfigError(
+            f"`accumulation_schedule` ({str(schedule)!r}) cannot be combined with `regroup_micro_batches`, "
+            "`max_tokens_per_micro_batch` or `pack_micro_batches`, whose windows are planned for a fixed "
+            "`gradient_accumulation_steps`: turn one of them off."
+        )
+    return dataclasses.replace(settings, accumulation_schedule=schedule)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +21,26 @@ if TYPE_CHECKING:
 
 AccumulatedGradHook = Callable[[str, torch.Tensor], None]
 
-__all__ = ["AccumulatedGradHook", "GradAccess", "GradientsNotReadyError"]
+__all__ = ["AccumulatedGradHook", "GradAccess", "GradientsNotReadyError", "RunningGradNorm"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunningGradNorm:
+    """The squared L2 norm of the gradient accumulated so far in an optimizer step, read between two micro-batches
+    (:meth:`GradAccess.running_sq_norm`).
+
+    Attributes:
+        sq_norm: the squared norm (a float64 sum; a DeepSpeed fp16 loss scale is removed, a GradScaler's is not,
+            as in :meth:`GradAccess.norm`).
+        reduced: True when every micro-batch so far was already averaged over the data-parallel ranks (DeepSpeed
+            ZeRO-2/3 with ``zero_reduction='per_micro_batch'``, FSDP2 with ``fsdp_sync='every_micro_batch'``): the
+            same value on every rank, the norm of the sum over all ranks' micro-batches so far. False: this rank's own
+            accumulation, not reduced (single process, DDP, ZeRO-1, ZeRO ``per_window``, FSDP2 ``deferred``): it
+            differs from rank to rank.
+    """
+
+    sq_norm: float
+    reduced: bool
 
 
 class GradAccess:
@@ -98,6 +118,33 @@ class GradAccess:
         self._check()
         squares = self._trainer.backend.grad_sq_norms([p for _, p in self.named_parameters()])
         return math.sqrt(max(float(squares.sum()), 0.0))
+
+    def running_sq_norm(self) -> RunningGradNorm:
+        """Squared L2 norm of the gradient accumulated SO FAR in the optimizer step, between two of its micro-batches
+        (``on_substep_end``), before the final backward pass; read-only, no gradient copy.
+
+        Before the final backward pass the gradient is in a different state on each backend (see
+        :class:`RunningGradNorm`): ``reduced`` says whether it was already averaged over the ranks. Where it was
+        (sharded backends that reduce every micro-batch) this is a collective, one small all-reduce (one float on
+        DeepSpeed, one per parameter on FSDP2): call it on every rank. Elsewhere no communication. Backends whose running gradient cannot be read
+        raise :class:`~hf_gradacc.UnsupportedBackendError` on every rank alike (:meth:`Backend.running_grad_sq_norm`).
+
+        Example:
+            ```python
+            class FirstMicroBatchNorm(GradAccCallback):
+                def on_substep_end(self, args, state, control, **kwargs):
+                    running = self.trainer.grads.running_sq_norm()   # every rank calls it
+                    print(running.sq_norm, running.reduced)
+            ```
+        """
+        window = self._trainer.current_window
+        if window is None or window.index is not None or window.final_backward_done or window.grads_ready:
+            raise GradientsNotReadyError(
+                "The running gradient is readable only between two micro-batches of an optimizer step, before its "
+                "final backward pass (in `on_substep_end` callbacks); the step's reduced gradient is read with "
+                "`trainer.grads.norm()` in `on_accumulated_grads` / `on_pre_optimizer_step`."
+            )
+        return self._trainer.backend.running_grad_sq_norm([p for _, p in self.named_parameters()])
 
     def run_hooks(self, hooks: list[tuple[AccumulatedGradHook, bool]]) -> None:
         """Call every registered accumulated-gradient hook on every trainable parameter, in one order on every rank;

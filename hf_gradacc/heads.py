@@ -20,6 +20,7 @@ from .errors import GradAccConfigError, GradAccDataError, GradAccLossError
 from .loss import (
     HEAD_TYPES,
     IGNORE_INDEX,
+    SAMPLE_LEVEL_HEADS,
     HeadType,
     ProblemType,
     causal_targets,
@@ -41,6 +42,7 @@ _SUFFIXES: tuple[tuple[str, HeadType], ...] = (
     ("ForTokenClassification", "token_classification"),
     ("ForSequenceClassification", "sequence_classification"),
     ("ForSeq2SeqLM", "seq2seq"),
+    ("ForImageClassification", "image_classification"),
 )
 
 
@@ -69,6 +71,7 @@ def _mapping_heads() -> dict[str, HeadType]:
         ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked_lm"),
         ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "token_classification"),
         ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "sequence_classification"),
+        ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image_classification"),
     ]
     heads: dict[str, HeadType] = {}
     for table_name, head in tables:
@@ -128,7 +131,7 @@ class Head:
         type: the head family, or None when unknown (only possible with an overridden ``compute_loss``: tokens are
             then counted on unshifted labels).
         ignore_index: the label value that is neither a target nor counted.
-        num_labels / problem_type: the model config's, for sequence classification.
+        num_labels / problem_type: the model config's, for sequence and image classification.
         label_smoothing: `TrainingArguments.label_smoothing_factor`.
         allow_unlabelled: a batch without labels counts its rows as samples (an overridden ``compute_loss`` that
             returns ``LossTerm(..., "samples")`` needs no labels).
@@ -175,12 +178,13 @@ class Head:
             problem_type=getattr(config, "problem_type", None),
             label_smoothing=float(label_smoothing or 0.0),
             allow_unlabelled=custom_loss,
-            num_classes=classes if head in ("token_classification", "sequence_classification") else _vocab(base),
+            num_classes=classes if head in ("token_classification", *SAMPLE_LEVEL_HEADS) else _vocab(base),
         )
 
     @property
     def is_sequence_level(self) -> bool:
-        return self.type == "sequence_classification"
+        """One label per row (sequence and image classification): normalised by samples."""
+        return self.type in SAMPLE_LEVEL_HEADS
 
     def denominator(self, *, labelled: bool = True) -> str:
         """``"samples"`` for sequence-level heads and unlabelled batches, ``"tokens"`` for every other head."""
@@ -225,7 +229,7 @@ class Head:
             if not labels.is_floating_point() and labels.dim() == 2 and labels.shape[1] > 1:
                 raise GradAccDataError(
                     f"`{key}` has shape {tuple(labels.shape)}: integer labels per token, but the model has a "
-                    f"sequence_classification head (one label per row). {fix}"
+                    f"{self.type} head (one label per row). {fix}"
                 )
         else:
             if labels.dim() != 2:
@@ -274,7 +278,7 @@ class Head:
             return token_cross_entropy_sum(logits, targets.long(), self.ignore_index, smoothing)
         if self.type in ("seq2seq", "masked_lm", "token_classification"):
             return token_cross_entropy_sum(logits, labels, self.ignore_index, smoothing)
-        if self.type == "sequence_classification":
+        if self.type in SAMPLE_LEVEL_HEADS:
             problem_type = self.problem_type_of(labels)
             if smoothing and problem_type != "single_label_classification":
                 logger.warning_once(

@@ -25,6 +25,7 @@ HeadType = Literal[
     "masked_lm",
     "token_classification",
     "sequence_classification",
+    "image_classification",
 ]
 HEAD_TYPES: tuple[str, ...] = (
     "causal_lm",
@@ -32,7 +33,10 @@ HEAD_TYPES: tuple[str, ...] = (
     "masked_lm",
     "token_classification",
     "sequence_classification",
+    "image_classification",
 )
+# Heads with one label per row, normalised by samples (their labels and losses follow the same problem types).
+SAMPLE_LEVEL_HEADS: tuple[str, ...] = ("sequence_classification", "image_classification")
 ProblemType = Literal["single_label_classification", "multi_label_classification", "regression"]
 Denominator = Literal["tokens", "samples", "input_tokens"]
 DENOMINATORS: tuple[str, ...] = ("tokens", "samples", "input_tokens")

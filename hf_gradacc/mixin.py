@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from transformers.trainer_utils import has_length
 from transformers.utils import logging
 
 from . import patches
 from .backends import Backend, resolve_backend
 from .builtin_loss import MAIN_TERM, batch_mean_loss, builtin_loss, model_mean_loss
 from .callbacks.base import GradAccCallback
+from .callbacks.batchnorm import batchnorm_callback_for
 from .checkpoints import latest_complete_checkpoint
 from .checks import start_up_check
 from .config import GradAccSettings, resolve_settings
@@ -40,6 +42,7 @@ from .grads import AccumulatedGradHook, GradAccess
 from .heads import Head, seen_token_count
 from .loss import LossTerm, parse_loss_output
 from .nonfinite import poison_nonfinite
+from .schedule import scheduled_training_values
 from .step import DATA_RAN_OUT, open_window, optimizer_step, train_window
 from .window import LABEL_KEY, PACKED_KEY, MicroBatchCounts, TermLog, Window
 
@@ -121,10 +124,14 @@ class GradAccMixin:
         self._window: Window | None = None
         self._auto_rows: int | None = None  # auto_micro_batch: rows per micro-batch once an OOM was survived
         self._training_started = False
+        self._batches_per_epoch: int | None = None  # micro-batches per rank of an epoch (None: no length)
         self._accumulated_grad_hooks: list[tuple[AccumulatedGradHook, bool]] = []
         self._term_log = TermLog()
         self._extra_logs: dict[str, float] = {}
         self.grads = GradAccess(self)
+        batchnorm = batchnorm_callback_for(self.model, settings, self.callback_handler.callbacks)
+        if batchnorm is not None:  # BatchNorm under accumulation: a warning, or the `batchnorm` mode (callbacks/)
+            self.callback_handler.add_callback(batchnorm)
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, GradAccCallback):
                 callback.bind(self)
@@ -179,6 +186,12 @@ class GradAccMixin:
         if not callable(hook):
             raise GradAccConfigError(f"`hook` must be callable as hook(name, grad), got {type(hook).__name__}")
         self._accumulated_grad_hooks.append((hook, local))
+
+    def scheduled_accumulation_steps(self) -> int:
+        """Micro-batches per rank of the next optimizer step: ``accumulation_schedule`` at ``state.global_step``, or
+        ``gradient_accumulation_steps`` without a schedule."""
+        schedule = self.gradacc.accumulation_schedule
+        return self.args.gradient_accumulation_steps if schedule is None else schedule.at(self.state.global_step)
 
     def add_log_metrics(self, metrics: Mapping[str, float]) -> None:
         """Add ``metrics`` to the next training log line (used by hf_gradacc callbacks)."""
@@ -268,6 +281,7 @@ class GradAccMixin:
             steps_in_epoch=steps_in_epoch,
             num_update_steps_per_epoch=num_update_steps_per_epoch,
             steps_trained_in_current_epoch=skip,
+            accumulation=None if self.gradacc.accumulation_schedule is None else self.scheduled_accumulation_steps,
         )
         if resuming and steps_trained_in_current_epoch == 0:
             self._load_rng_state(resume_from_checkpoint)
@@ -445,7 +459,30 @@ class GradAccMixin:
         values = super().set_initial_training_values(args, dataloader)
         world = self.backend.dp_world_size
         gather = partial(_gather_on, self.backend, self.args.device) if world > 1 else None
-        return adjust_training_values(dataloader, args, values, gather)
+        values = adjust_training_values(dataloader, args, values, gather)
+        schedule = self.gradacc.accumulation_schedule
+        self._batches_per_epoch = values[5] if has_length(dataloader) else None
+        if schedule is None:
+            return values
+        run = scheduled_training_values(
+            schedule, batches_per_epoch=self._batches_per_epoch, num_train_epochs=args.num_train_epochs,
+            max_steps=args.max_steps, samples_per_micro_batch=values[4] // args.gradient_accumulation_steps,
+        )  # fmt: skip
+        logger.info(f"  Accumulation schedule = {schedule} (lr_scaling={self.gradacc.lr_scaling!r}), {run.max_steps} steps")
+        return (run.num_train_epochs, run.num_update_steps_per_epoch, values[2], run.num_train_samples, values[4],
+                run.steps_in_epoch, run.max_steps)  # fmt: skip
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial):
+        """`Trainer._init_training_state`; a resumed run under an ``accumulation_schedule`` finds its epoch and the
+        micro-batches already trained in it from the schedule (windows differ in size)."""
+        epochs_trained, steps_trained = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        schedule = self.gradacc.accumulation_schedule
+        if schedule is not None and self.state.global_step > 0:
+            epochs_trained, done = schedule.locate(self.state.global_step, self._batches_per_epoch)
+            steps_trained = 0 if self.args.ignore_data_skip else done
+        return epochs_trained, steps_trained
 
     # ------------------------------------------------------------------ logging, evaluation, the end
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -195,9 +195,17 @@ def optimizer_step(trainer: GradAccMixin, window: Window) -> tuple[torch.Tensor,
         trainer.control = trainer.callback_handler.on_pre_optimizer_step(trainer.args, trainer.state, trainer.control)
     finally:
         window.grads_ready = False
-    trainer.backend.optimizer_step(trainer.optimizer)
+    schedule = trainer.gradacc.accumulation_schedule
+    lr_factor = 1.0 if schedule is None else schedule.lr_factor(trainer.state.global_step, trainer.gradacc.lr_scaling)
+    # the rate this step uses, read before the step (DeepSpeed's engine moves its scheduler inside the step)
+    learning_rate = trainer._get_learning_rate() * lr_factor
+    trainer.backend.optimizer_step(trainer.optimizer, lr_factor=lr_factor)
     trainer.control = trainer.callback_handler.on_optimizer_step(trainer.args, trainer.state, trainer.control)
-    learning_rate = trainer._get_learning_rate()  # the rate this step used, before the scheduler moves on
+    if schedule is not None:
+        trainer.add_log_metrics({
+            "accumulation_steps": schedule.at(trainer.state.global_step),
+            "effective_batch_size": window.counts.global_samples,
+        })  # fmt: skip
     if not trainer.accelerator.optimizer_step_was_skipped and not isinstance(
         trainer.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau
     ):

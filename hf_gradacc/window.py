@@ -17,7 +17,7 @@ import torch
 from transformers.utils import logging
 
 from .errors import GradAccConfigError, GradAccDataError, GradAccError, GradAccLossError
-from .loss import IGNORE_INDEX, HeadType, LossOutput, normalize, token_count
+from .loss import IGNORE_INDEX, SAMPLE_LEVEL_HEADS, HeadType, LossOutput, normalize, token_count
 
 logger = logging.get_logger(__name__)
 
@@ -26,6 +26,7 @@ SHIFT_LABELS_KEY = "shift_labels"
 
 # Order of the values in the per-rank count vector that is gathered once per window.
 _TOKENS, _SAMPLES, _INPUT_TOKENS, _SEEN_TOKENS, _POSITIONS, _MICRO_BATCHES, _FAILED = range(7)
+_FIRST_TOKENS, _FIRST_SAMPLES, _FIRST_INPUT_TOKENS = range(7, 10)  # micro-batch 0 of the rank (0 without one)
 # Denominator kinds of a streamed window, in the column order of its gathered count vector.
 STREAMED_KINDS: tuple[str, ...] = ("tokens", "samples", "custom")
 
@@ -70,6 +71,9 @@ class WindowCounts:
     global_input_tokens: int = 0
     global_seen_tokens: int = 0
     global_positions: int = 0
+    # Micro-batch 0 of every rank, summed over ranks: the items behind the gradient after the first micro-batch when
+    # the backend reduces every micro-batch (gradient noise scale). None for streamed windows and after a resplit.
+    global_first: MicroBatchCounts | None = None
 
     @property
     def labelled(self) -> bool:
@@ -100,8 +104,9 @@ class WindowCounts:
         return self.global_samples
 
     def with_micro_batches(self, micro_batches: Sequence[MicroBatchCounts]) -> WindowCounts:
-        """The same window (same samples, same global counts) cut into other micro-batches on this rank."""
-        return replace(self, micro_batches=tuple(micro_batches))
+        """The same window (same samples, same global counts) cut into other micro-batches on this rank; the first
+        micro-batch is another one then, so ``global_first`` is dropped."""
+        return replace(self, micro_batches=tuple(micro_batches), global_first=None)
 
 
 def count_micro_batch(
@@ -116,7 +121,7 @@ def count_micro_batch(
 
     - tokens: labels that are not ``ignore_index``; for causal LMs after the shift (``labels[..., 1:]``),
       or ``shift_labels`` as given when the collator provides them.
-    - samples: rows; for single-label sequence classification, rows whose label is not ``ignore_index``.
+    - samples: rows; for single-label sequence and image classification, rows whose label is not ``ignore_index``.
 
     With ``allow_unlabelled`` (an overridden ``compute_loss``), a batch without labels counts its rows as samples.
     """
@@ -137,7 +142,7 @@ def count_micro_batch(
     if not torch.is_tensor(targets):
         raise GradAccDataError(f"`{LABEL_KEY}` must be a tensor, got {type(targets).__name__}")
 
-    if head_type == "sequence_classification":
+    if head_type in SAMPLE_LEVEL_HEADS:
         rows = targets.shape[0] if targets.dim() > 0 else 1
         if problem_type in (None, "single_label_classification") and not targets.is_floating_point():
             num_samples = int(token_count(targets.reshape(rows, -1)[:, 0], ignore_index))
@@ -179,6 +184,8 @@ def gather_window_counts(
             sum(mb.num_positions for mb in micro_batches),
             len(micro_batches),
             int(error is not None),
+            *((micro_batches[0].num_tokens, micro_batches[0].num_samples, micro_batches[0].num_input_tokens)
+              if micro_batches else (0, 0, 0)),
         ],
         dtype=torch.int64,
         device=device,
@@ -200,6 +207,11 @@ def gather_window_counts(
         global_input_tokens=int(rows[:, _INPUT_TOKENS].sum()),
         global_seen_tokens=int(rows[:, _SEEN_TOKENS].sum()),
         global_positions=int(rows[:, _POSITIONS].sum()),
+        global_first=MicroBatchCounts(
+            num_tokens=int(rows[:, _FIRST_TOKENS].sum()),
+            num_samples=int(rows[:, _FIRST_SAMPLES].sum()),
+            num_input_tokens=int(rows[:, _FIRST_INPUT_TOKENS].sum()),
+        ),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -10,6 +11,8 @@ from transformers.utils import logging
 
 from ..config import GradAccSettings
 from ..errors import GradAccUsageError, UnsupportedBackendError
+from ..grads import RunningGradNorm
+from ..schedule import scaled_learning_rate
 
 logger = logging.get_logger(__name__)
 
@@ -124,9 +127,11 @@ class Backend:
         """Norm of the accumulated, reduced gradient before clipping; clip when ``max_norm`` is finite."""
         raise NotImplementedError
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Apply the accumulated gradient."""
-        optimizer.step()
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, *, lr_factor: float = 1.0) -> None:
+        """Apply the accumulated gradient, at ``lr_factor`` times the learning rate of every parameter group
+        (``lr_scaling`` of an accumulation schedule); the groups hold their own rate again afterwards."""
+        with scaled_learning_rate(optimizer.param_groups, lr_factor):
+            optimizer.step()
 
     def zero_grad(self) -> None:
         self._bound().zero_grad()
@@ -171,3 +176,25 @@ class Backend:
             for p in params
         ]
         return torch.stack([v.cpu() for v in values]) if values else torch.zeros(0, dtype=torch.float64)
+
+    def running_grad_sq_norm(self, params: list[torch.nn.Parameter]) -> RunningGradNorm:
+        """Squared L2 norm of the gradient accumulated so far in the window, read BETWEEN two micro-batches (before the
+        final backward pass), without copying it. Raises :class:`~hf_gradacc.UnsupportedBackendError` (on every rank
+        alike: the answer depends on the configuration only) where it cannot be read.
+
+        Single process and DDP: ``param.grad`` is this rank's own sum (non-final micro-batches run under ``no_sync``):
+        ``reduced=False``, no communication.
+        """
+        return RunningGradNorm(sq_norm=float(sum_of_squares(p.grad for p in params)), reduced=False)
+
+
+def sum_of_squares(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    """Sum of the squares of every element of ``tensors`` (None skipped), in float64, as a CPU scalar: one
+    reduction per tensor without a float64 copy of it, and one device-to-host transfer per device."""
+    per_device: dict[torch.device, torch.Tensor] = {}
+    for tensor in tensors:
+        if tensor is None or tensor.numel() == 0:
+            continue
+        square = torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64).square()
+        per_device[square.device] = per_device[square.device] + square if square.device in per_device else square
+    return sum((v.cpu() for v in per_device.values()), torch.zeros((), dtype=torch.float64))

@@ -19,7 +19,9 @@ import torch
 from transformers.utils import logging
 
 from ..errors import GradAccConfigError, UnsupportedBackendError
-from .base import Backend
+from ..grads import RunningGradNorm
+from ..schedule import scaled_learning_rate
+from .base import Backend, sum_of_squares
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -352,6 +354,79 @@ class DeepSpeedBackend(Backend):
         scale = self._loss_scale()
         return (squares / (scale * scale)).cpu()
 
+    def running_grad_sq_norm(self, params: list[torch.nn.Parameter]) -> RunningGradNorm:
+        """The gradient accumulated so far, between two micro-batches (see `Backend.running_grad_sq_norm`).
+
+        - ZeRO-1, and every stage with ``zero_reduction='per_window'``: nothing is reduced before the final backward
+          pass; autograd accumulates each rank's own gradient on the parameters (``param.grad``, or ``grad_accum``
+          when DeepSpeed keeps a separate accumulation buffer): ``reduced=False``, no communication.
+        - ZeRO-3, ``per_micro_batch``: every backward pass reduce-scatters into this rank's fp32 gradient partition,
+          summed over the micro-batches (``safe_get_local_grad``): the partitions' squares, one all-reduce.
+        - ZeRO-2, ``per_micro_batch``: every backward pass reduces this rank's partition, summed over the
+          micro-batches in the ZeRO optimizer's ``all_grad_tensors`` (whole parameter tensors, of which the slice in
+          this rank's partition, ``grad_position``, is the reduced one): the slices' squares, one all-reduce.
+          DeepSpeed internals, checked here: a clear error where they are absent (CPU offload, bf16 parameters
+          with fp32 accumulation, another DeepSpeed version).
+        """
+        engine = self._bound()
+        optimizer = engine.optimizer
+        if self.zero_stage == 1 or self.zero_reduction == "per_window":
+            if self.zero_stage == 3:
+                grads = [p.grad for p in params]
+            else:
+                getter = getattr(optimizer, "get_gradient_for_reduction", None)
+                if getter is None:
+                    raise UnsupportedBackendError(self._running_refusal("no `get_gradient_for_reduction`"))
+                grads = [getter(p) for p in params]
+            squares, reduced = sum_of_squares(grads), False
+        elif self.zero_stage == 3:
+            from deepspeed.utils import safe_get_local_grad
+
+            squares, reduced = sum_of_squares(safe_get_local_grad(p) for p in params if p.requires_grad), True
+        else:
+            squares, reduced = sum_of_squares(self._zero2_partition_slices(optimizer)), True
+        if reduced and self.dp_world_size > 1:  # disjoint partitions: their squares add up (one scalar all-reduce)
+            import torch.distributed as dist
+
+            squares = squares.to(engine.device)
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=getattr(optimizer, "dp_process_group", None))
+        scale = self._loss_scale()
+        return RunningGradNorm(sq_norm=float(squares) / (scale * scale), reduced=reduced)
+
+    def _zero2_partition_slices(self, optimizer: Any) -> Iterator[torch.Tensor]:
+        """ZeRO-2 between micro-batches: this rank's reduced partition of each parameter, summed so far. The slices are
+        cut as DeepSpeed's ``_get_flat_partition_unpadded`` cuts them at the boundary (the partition starts
+        ``first_offset`` elements into its first parameter and holds ``partition_size`` elements)."""
+        needed = ("all_grad_tensors", "params_in_partition", "first_offset", "partition_size")
+        missing = [name for name in needed if not hasattr(optimizer, name)]
+        if missing or getattr(optimizer, "cpu_offload", False):
+            raise UnsupportedBackendError(self._running_refusal(f"missing {missing}" if missing else "CPU offload"))
+        compact = getattr(optimizer, "_use_compact_grad_partition_buffer", None)
+        padding = getattr(optimizer, "round_robin_bit16_padding", None)
+        for group, params in enumerate(optimizer.params_in_partition):
+            if not params:
+                continue
+            if compact is not None and compact(group):
+                raise UnsupportedBackendError(self._running_refusal("bf16 parameters with fp32 gradient accumulation"))
+            if padding is not None and any(padding[group]):
+                raise UnsupportedBackendError(self._running_refusal("round-robin gradient partitioning"))
+            accumulated = optimizer.all_grad_tensors.get(group)
+            if accumulated is None or len(accumulated) != len(params):
+                raise UnsupportedBackendError(self._running_refusal("no accumulated partition gradient"))
+            size, taken = int(optimizer.partition_size[group]), 0
+            for i, grad in enumerate(accumulated):
+                start = int(optimizer.first_offset[group]) if i == 0 else 0
+                count = min(grad.numel() - start, size - taken)
+                yield grad.reshape(-1).narrow(0, start, count)
+                taken += count
+
+    def _running_refusal(self, why: str) -> str:
+        return (
+            f"The gradient between micro-batches cannot be read on DeepSpeed ZeRO-{self.zero_stage} with "
+            f"zero_reduction='per_micro_batch' here ({why}). Set `zero_reduction='per_window'` (each rank's local "
+            "gradient is then readable), or drop the callback that needs it."
+        )
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The exact global norm before the step; DeepSpeed clips inside ``engine.step()`` at ``max_grad_norm``."""
         engine = self._bound()
@@ -365,13 +440,25 @@ class DeepSpeedBackend(Backend):
         return squares.sum().sqrt().to(torch.float32)
 
     # ------------------------------------------------------------------ step
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, *, lr_factor: float = 1.0) -> None:
         engine = self._bound()
         assert self._window_reduction is None, "the window's gradient reduction is still open at the optimizer step"
         # Without the boundary flag engine.step() silently skips the update (coalesce_grad_reduction restores the
         # flag it found on entry, and the first micro-batch set it to False).
         engine.set_gradient_accumulation_boundary(True)
-        engine.step()
+        # The engine steps its LR scheduler inside engine.step(); a scaled rate must be put back BEFORE the
+        # scheduler moves (it may compute from the current rate), so the scheduler is held out and stepped here.
+        scheduler = engine.lr_scheduler if lr_factor != 1.0 else None
+        if scheduler is not None:
+            engine.lr_scheduler = None
+        try:
+            with scaled_learning_rate(optimizer.param_groups, lr_factor):
+                engine.step()
+        finally:
+            if scheduler is not None:
+                engine.lr_scheduler = scheduler
+        if scheduler is not None and engine.was_step_applied():
+            scheduler.step()
         from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
 
         if isinstance(optimizer, DeepSpeedOptimizerWrapper):

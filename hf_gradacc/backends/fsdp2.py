@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.utils import logging
 
-from ..errors import GradAccConfigError
-from .base import Backend
+from ..errors import GradAccConfigError, UnsupportedBackendError
+from ..grads import RunningGradNorm
+from .base import Backend, sum_of_squares
 from .fsdp2_wrap import check_fsdp2_wrapping
 
 if TYPE_CHECKING:
@@ -152,6 +153,33 @@ class FSDP2Backend(Backend):
             if param.grad is not None:
                 param.grad.mul_(factor)  # elementwise on each rank's shard: no communication
 
+    def running_grad_sq_norm(self, params: list[torch.nn.Parameter]) -> RunningGradNorm:
+        """The gradient accumulated so far, between two micro-batches (see `Backend.running_grad_sq_norm`).
+
+        - ``'every_micro_batch'`` (and ``'defer_all_reduce'`` on a 1-D mesh): ``param.grad`` is this rank's shard of
+          the reduced sum so far: the shards' squares, one all-reduce (as `grad_sq_norms`); ``reduced=True``.
+        - ``'deferred'``: nothing is reduced and ``param.grad`` is None; FSDP2 keeps each rank's own unsharded
+          gradient on its parameter groups (``FSDPParam.unsharded_accumulated_grad``, else the unsharded
+          parameter's ``.grad``): read there, ``reduced=False``, no communication. These are FSDP2 internals: a
+          clear error if this torch version moved them.
+        - ``'defer_all_reduce'`` under HSDP: reduced within each replica's shard group only, neither local nor
+          global: refused.
+        """
+        from torch.distributed.tensor import DTensor
+
+        if self.fsdp_sync == "deferred":
+            # Parameters FSDP2 does not manage (plain tensors) keep their own local gradient on `.grad`.
+            plain = (p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor))
+            unsharded = _unsharded_grads(fsdp_root(self._bound()))
+            return RunningGradNorm(sq_norm=float(sum_of_squares([*plain, *unsharded])), reduced=False)
+        if self.fsdp_sync == "defer_all_reduce" and self._hsdp:
+            raise UnsupportedBackendError(
+                "Under HSDP with `fsdp_sync='defer_all_reduce'` the gradient between micro-batches is reduced within "
+                "each replica's shard group only, so it cannot be read as a local or a global gradient. Use "
+                "`fsdp_sync='every_micro_batch'` or `'deferred'`."
+            )
+        return RunningGradNorm(sq_norm=float(self.grad_sq_norms(params).sum()), reduced=True)
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
@@ -227,3 +255,33 @@ class FSDP2Backend(Backend):
                 squares = torch.where(plain, torch.zeros_like(squares), squares)
             dist.all_reduce(squares, group=group)  # one collective: the shards' sums of squares add up
         return squares.cpu()
+
+
+def _unsharded_grads(root: torch.nn.Module) -> list[torch.Tensor]:
+    """Every FSDP2 parameter's unsharded local gradient accumulated while gradient sync is off (``deferred``): the
+    reduce-dtype accumulator when FSDP2 keeps one, else the unsharded parameter's ``.grad``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    grads: list[torch.Tensor] = []
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # older torch: one parameter group per module
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [group] if group is not None else []
+            for group in groups:
+                for fsdp_param in group.fsdp_params:
+                    grad = fsdp_param.unsharded_accumulated_grad
+                    if grad is None:
+                        grad = fsdp_param._unsharded_param.grad if hasattr(fsdp_param, "_unsharded_param") else None
+                    if grad is not None:
+                        grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+        except AttributeError as error:
+            raise UnsupportedBackendError(
+                f"This torch version's FSDP2 keeps the unsharded gradient elsewhere ({error}), so the gradient between "
+                "micro-batches cannot be read with `fsdp_sync='deferred'`; use `fsdp_sync='every_micro_batch'`."
+            ) from error
+    return grads

@@ -1,6 +1,17 @@
 """Opt-in `TrainerCallback`s, one per file."""
 
 from .base import GradAccCallback
+from .batchnorm import BatchNormCallback
 from .grad_norm import GradNormCallback
+from .noise_scale import GradientNoiseScaleCallback, NoiseScaleStep, noise_scale_estimates
+from .token_stats import TokenStatsCallback
 
-__all__ = ["GradAccCallback", "GradNormCallback"]
+__all__ = [
+    "BatchNormCallback",
+    "GradAccCallback",
+    "GradNormCallback",
+    "GradientNoiseScaleCallback",
+    "NoiseScaleStep",
+    "TokenStatsCallback",
+    "noise_scale_estimates",
+]

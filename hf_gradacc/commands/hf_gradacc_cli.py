@@ -4,12 +4,15 @@
   float64 full-batch gradient; exit 0 only when GradAccTrainer is exact.
 * ``bench`` (:mod:`.bench`): the stock `Trainer` against GradAccTrainer (plain, regrouped, token budget), timed in
   one run.
+* ``plot`` (:mod:`.plot`): a run's training curves (loss, grad norm, learning rate, tokens/s, padding, effective
+  batch) from its ``trainer_state.json``, to a PNG.
 
 Example:
     ```bash
     hf-gradacc check                                   # built-in tiny causal LM, 2 x GA 4
     hf-gradacc check --task sequence_classification --json out.json --plot curves.png
     hf-gradacc bench --steps 4 --datasets long_tailed
+    hf-gradacc plot out/                               # out/curves.png from out/[checkpoint-*/]trainer_state.json
     accelerate launch --config_file examples/accelerate_configs/ddp_cpu.yaml -m hf_gradacc check   # 2 CPU ranks
     ```
 """
@@ -39,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
     from .bench import bench_command_parser
     from .check import check_command_parser
+    from .plot import plot_command_parser
 
     parser = argparse.ArgumentParser(
         prog="hf-gradacc",
@@ -49,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="<command>")
     check_command_parser(commands)
     bench_command_parser(commands)
+    plot_command_parser(commands)
     return parser
 
 

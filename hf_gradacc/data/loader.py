@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -194,14 +194,15 @@ class EpochPlan:
 
     Attributes:
         epoch_iterator: the epoch's batches (already past the ones a resumed run trained before its checkpoint).
-        num_batches: micro-batches per rank of each remaining optimizer step, in order.
+        num_batches: micro-batches per rank of each remaining optimizer step, in order (with an accumulation
+            schedule, decided lazily, one step at a time).
         steps_in_epoch: micro-batches per rank in the whole epoch.
         step: index of the last micro-batch already trained in this epoch (-1: none).
         resumed_mid_epoch: batches were skipped; the RNG state of the checkpoint is restored after the next fetch.
     """
 
     epoch_iterator: Iterator[Any]
-    num_batches: list[int]
+    num_batches: Iterable[int]
     steps_in_epoch: int
     step: int
     resumed_mid_epoch: bool
@@ -215,10 +216,13 @@ def plan_epoch(
     steps_in_epoch: int,
     num_update_steps_per_epoch: int,
     steps_trained_in_current_epoch: int = 0,
+    accumulation: Callable[[], int] | None = None,
 ) -> EpochPlan:
     """The optimizer steps of ``epoch``: ``gradient_accumulation_steps`` micro-batches each (the last one short), or
     the regrouping sampler's schedule; with ``steps_trained_in_current_epoch`` > 0 (a resumed run) the trained steps
-    are skipped whole.
+    are skipped whole. With ``accumulation`` (an accumulation schedule) each step takes ``accumulation()``
+    micro-batches, asked just before the step (the schedule reads the optimizer steps taken so far), and
+    ``steps_trained_in_current_epoch`` counts micro-batches, which must end a step.
 
     Example:
         ```python
@@ -229,8 +233,10 @@ def plan_epoch(
     from accelerate.data_loader import skip_first_batches
 
     gas = gradient_accumulation_steps
-    schedule = window_schedule(train_dataloader, epoch)
-    if schedule is not None:
+    schedule = None if accumulation is not None else window_schedule(train_dataloader, epoch)
+    if accumulation is not None:
+        num_batches: Iterable[int] = _scheduled_windows(accumulation, steps_in_epoch - steps_trained_in_current_epoch)
+    elif schedule is not None:
         steps_in_epoch = max(sum(schedule), 1)
         num_batches = [schedule[k] if k < len(schedule) else 0 for k in range(num_update_steps_per_epoch)]
     else:
@@ -241,7 +247,8 @@ def plan_epoch(
     if steps_trained_in_current_epoch > 0:
         skipped_batches = sum(num_batches[:skipped_steps]) if schedule is not None else steps_trained_in_current_epoch
         train_dataloader = skip_first_batches(train_dataloader, skipped_batches)
-        num_batches = num_batches[skipped_steps:]
+        if accumulation is None:
+            num_batches = num_batches[skipped_steps:]
     if hasattr(train_dataloader, "set_epoch"):
         train_dataloader.set_epoch(epoch)
     # `DataLoaderShard.set_epoch` does not forward to a batch sampler wrapped in `BatchSamplerShard`: reach it here.
@@ -255,6 +262,13 @@ def plan_epoch(
         step=skipped_batches - 1,
         resumed_mid_epoch=steps_trained_in_current_epoch > 0,
     )
+
+
+def _scheduled_windows(accumulation: Callable[[], int], left: int) -> Iterator[int]:
+    while left > 0:
+        size = min(accumulation(), left)
+        yield size
+        left -= size
 
 
 def check_train_dataset(dataset: Any) -> None:

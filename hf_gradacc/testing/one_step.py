@@ -142,4 +142,5 @@ class _Recorder:
 
 
 def _key(sample: dict[str, Any]) -> str:
-    return repr((list(sample["input_ids"]), sample.get("labels")))
+    main = sample["input_ids"] if "input_ids" in sample else sample["pixel_values"]  # text, or image samples
+    return repr((main.tolist() if torch.is_tensor(main) else list(main), sample.get("labels")))

@@ -61,7 +61,7 @@ def full_batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], task
     if task in ("seq2seq", "masked_lm", "token_classification"):
         total, count = _row_mean_cross_entropy(logits, labels, ignore)
         return total / count
-    if task == "sequence_classification":
+    if task in ("sequence_classification", "image_classification"):  # one label per row: [B, num_labels] vs [B]
         total, count = _row_mean_cross_entropy(logits, labels, ignore)
         return total / count
     if task == "regression":
@@ -148,3 +148,27 @@ def compare(update: dict[str, torch.Tensor], reference: dict[str, torch.Tensor])
         cosine=float(torch.dot(u, r) / (u.norm() * rn).clamp_min(1e-300)),
         norm_ratio=float(u.norm() / rn),
     )
+
+
+def batchnorm_statistics(
+    model: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """What precise BatchNorm must give, computed from the layers' inputs: a copy of ``model`` in training mode runs
+    every batch (labels dropped); for each BatchNorm layer (by name), the mean over batches of the per-channel batch
+    mean of its input, and the mean over batches of the per-channel unbiased batch variance."""
+    ref = copy.deepcopy(model).train()
+    inputs: dict[str, list[torch.Tensor]] = {}
+    for name, module in ref.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.register_forward_hook(lambda mod, args, out, name=name: inputs.setdefault(name, []).append(args[0]))
+    with torch.no_grad():
+        for batch in batches:
+            ref(**{k: v for k, v in batch.items() if k != "labels"})
+    stats = {}
+    for name, xs in inputs.items():
+        dims = [0, *range(2, xs[0].dim())]  # every dimension but the channels
+        stats[name] = (
+            torch.stack([x.mean(dim=dims) for x in xs]).mean(0),
+            torch.stack([x.var(dim=dims, unbiased=True) for x in xs]).mean(0),
+        )
+    return stats

@@ -23,10 +23,15 @@ TASKS: tuple[str, ...] = (
     "sequence_classification",
     "regression",
     "multi_label_classification",
+    "image_classification",
 )
 VOCAB_SIZE = 96
 PAD_TOKEN_ID = 0
 NUM_LABELS = 3
+IMAGE_SIZE = 16
+NUM_CHANNELS = 3
+# Tiny image classifiers: ConvNeXt and ViT have no BatchNorm (LayerNorm), ResNet has BatchNorm in every block.
+IMAGE_ARCHITECTURES: tuple[str, ...] = ("convnext", "vit", "resnet")
 
 
 def build_tiny_model(task: str = "causal_lm", *, seed: int = 0, hidden_size: int = 32) -> torch.nn.Module:
@@ -94,7 +99,67 @@ def build_tiny_model(task: str = "causal_lm", *, seed: int = 0, hidden_size: int
     if task == "multi_label_classification":
         config = tf.BertConfig(num_labels=NUM_LABELS, problem_type="multi_label_classification", **bert_kwargs)
         return tf.BertForSequenceClassification(config)
+    if task == "image_classification":
+        return build_tiny_image_model("convnext", seed=seed, hidden_size=hidden_size)
     raise GradAccConfigError(f"`task` ({task!r}) must be one of {TASKS}")
+
+
+def build_tiny_image_model(architecture: str = "convnext", *, seed: int = 0, hidden_size: int = 16) -> torch.nn.Module:
+    """A tiny, randomly initialised ``*ForImageClassification`` model on :data:`IMAGE_SIZE` x :data:`IMAGE_SIZE`
+    images with :data:`NUM_CHANNELS` channels and :data:`NUM_LABELS` classes, dropout and drop-path off.
+
+    ``architecture``: ``"convnext"`` (LayerNorm; the ``image_classification`` task's model), ``"vit"`` (LayerNorm) or
+    ``"resnet"`` (a BatchNorm layer after every convolution: its training forward normalises by the micro-batch's
+    statistics, see :class:`~hf_gradacc.callbacks.BatchNormCallback`).
+
+    Example:
+        ```python
+        from hf_gradacc.testing.tiny import build_tiny_image_model, make_samples, PaddingCollator
+        model = build_tiny_image_model("resnet")
+        logits = model(**PaddingCollator()(make_samples("image_classification", 4))).logits   # [4, NUM_LABELS]
+        ```
+    """
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if architecture == "convnext":
+        config = tf.ConvNextConfig(
+            num_channels=NUM_CHANNELS,
+            patch_size=4,
+            num_stages=2,
+            hidden_sizes=[hidden_size // 2, hidden_size],
+            depths=[1, 1],
+            drop_path_rate=0.0,
+            layer_scale_init_value=1.0,  # the default 1e-6 leaves the blocks' gradients below float32 resolution
+            image_size=IMAGE_SIZE,
+            num_labels=NUM_LABELS,
+        )
+        return tf.ConvNextForImageClassification(config)
+    if architecture == "vit":
+        config = tf.ViTConfig(
+            image_size=IMAGE_SIZE,
+            patch_size=4,
+            num_channels=NUM_CHANNELS,
+            hidden_size=2 * hidden_size,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=4 * hidden_size,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=NUM_LABELS,
+        )
+        return tf.ViTForImageClassification(config)
+    if architecture == "resnet":
+        config = tf.ResNetConfig(
+            num_channels=NUM_CHANNELS,
+            embedding_size=hidden_size // 2,
+            hidden_sizes=[hidden_size // 2, hidden_size],
+            depths=[1, 1],
+            layer_type="basic",
+            num_labels=NUM_LABELS,
+        )
+        return tf.ResNetForImageClassification(config)
+    raise GradAccConfigError(f"`architecture` ({architecture!r}) must be one of {IMAGE_ARCHITECTURES}")
 
 
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe")
@@ -150,10 +215,12 @@ def make_samples(
 
     Lengths are drawn from a long-tailed distribution between ``min_length`` and ``max_length``; for token-level
     tasks a random prefix of each row (about ``ignore_fraction`` of it on average) is labelled ``-100``, and a few
-    rows have no counted label at all.
+    rows have no counted label at all. ``image_classification`` samples are images (see :func:`make_image_samples`).
     """
     if task not in TASKS:
         raise GradAccConfigError(f"`task` ({task!r}) must be one of {TASKS}")
+    if task == "image_classification":
+        return make_image_samples(num_samples, seed=seed)
     g = torch.Generator().manual_seed(seed)
     samples: list[dict[str, Any]] = []
     for i in range(num_samples):
@@ -184,9 +251,69 @@ def make_samples(
     return samples
 
 
+def make_image_samples(
+    num_samples: int = 32,
+    *,
+    seed: int = 0,
+    image_size: int = IMAGE_SIZE,
+    num_channels: int = NUM_CHANNELS,
+    num_labels: int = NUM_LABELS,
+) -> list[dict[str, Any]]:
+    """Synthetic image-classification samples: ``pixel_values`` (nested lists, ``num_channels`` x ``image_size`` x
+    ``image_size``, each image with its own brightness and contrast so that batch statistics differ) and an integer
+    ``labels``; every 7th sample (index 3, 10, ...) is labelled ``-100`` (not counted).
+
+    Example:
+        ```python
+        from hf_gradacc.testing.tiny import make_image_samples
+        samples = make_image_samples(8)          # [{"pixel_values": [[[...]]], "labels": 2}, ...]
+        ```
+    """
+    g = torch.Generator().manual_seed(seed)
+    samples: list[dict[str, Any]] = []
+    for i in range(num_samples):
+        scale, shift = 0.5 + 1.5 * float(torch.rand((), generator=g)), float(torch.randn((), generator=g))
+        pixels = torch.randn((num_channels, image_size, image_size), generator=g) * scale + shift
+        label = int(torch.randint(0, num_labels, (), generator=g))
+        samples.append({"pixel_values": pixels.tolist(), "labels": IGNORE_INDEX if i % 7 == 3 else label})
+    return samples
+
+
+def make_image_samples_for(model: torch.nn.Module, num_samples: int, *, seed: int = 0) -> list[dict[str, Any]]:
+    """:func:`make_image_samples` in ``model``'s image size, channels and classes (its config's ``image_size``,
+    ``num_channels``, ``num_labels``; the tiny defaults where the config has none)."""
+    config = model.config
+    size = getattr(config, "image_size", None) or IMAGE_SIZE
+    size = int(size[0] if isinstance(size, (list, tuple)) else size)
+    channels = int(getattr(config, "num_channels", None) or NUM_CHANNELS)
+    num_labels = int(getattr(config, "num_labels", None) or NUM_LABELS)
+    return make_image_samples(num_samples, seed=seed, image_size=size, num_channels=channels, num_labels=num_labels)
+
+
+@dataclass
+class ImageCollator:
+    """Stacks ``pixel_values`` into a float32 ``[batch, channels, height, width]`` tensor and ``labels`` into
+    ``[batch]`` (int64).
+
+    Example:
+        ```python
+        from hf_gradacc.testing.tiny import ImageCollator, make_image_samples
+        batch = ImageCollator()(make_image_samples(4))   # {"pixel_values": [4, 3, 16, 16], "labels": [4]}
+        ```
+    """
+
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        pixels = [torch.as_tensor(s["pixel_values"], dtype=torch.float32) for s in samples]
+        batch = {"pixel_values": torch.stack(pixels)}
+        if "labels" in samples[0]:
+            batch["labels"] = torch.tensor([s["labels"] for s in samples], dtype=torch.long)
+        return batch
+
+
 @dataclass
 class PaddingCollator:
-    """Right-pads ``input_ids`` (and token-level ``labels`` with ``ignore_index``) to the longest row.
+    """Right-pads ``input_ids`` (and token-level ``labels`` with ``ignore_index``) to the longest row; image samples
+    (``pixel_values``, no ``input_ids``) are stacked by :class:`ImageCollator`.
 
     Example:
         ```python
@@ -200,6 +327,8 @@ class PaddingCollator:
     only_pads: ClassVar[bool] = True  # nothing but padding: packing may replace it without a warning
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if "input_ids" not in samples[0] and "pixel_values" in samples[0]:
+            return ImageCollator()(samples)
         width = max(len(s["input_ids"]) for s in samples)
         input_ids = torch.full((len(samples), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(samples), width), dtype=torch.long)

@@ -45,3 +45,14 @@ def test_errors_share_one_base() -> None:
     for name in [n for n in EXPECTED_ALL if n.endswith("Error")]:
         assert issubclass(getattr(hf_gradacc, name), hf_gradacc.GradAccError)
     assert hf_gradacc.IGNORE_INDEX == -100
+
+
+def test_every_knob_is_in_the_api_table() -> None:
+    """Each GradAccArguments field has its row in docs/api.md's knob table (a field added without docs fails)."""
+    from pathlib import Path
+
+    from hf_gradacc.config import GRADACC_FIELDS
+
+    table = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    missing = [name for name in GRADACC_FIELDS if f"| `{name}` |" not in table]
+    assert not missing, f"add rows for {missing} to docs/api.md"

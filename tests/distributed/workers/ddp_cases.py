@@ -363,6 +363,71 @@ def case_moe(family: str) -> Callable[[], dict[str, Any]]:
     return run
 
 
+def _recording_collator(batches: list[dict[str, torch.Tensor]]) -> Callable:
+    collate = PaddingCollator()
+
+    def record(features):
+        batch = collate(features)
+        batches.append(batch)
+        return batch
+
+    return record
+
+
+def case_token_stats() -> dict[str, Any]:
+    """Two optimizer steps with TokenStatsCallback: each rank's logged numbers and its own direct counts per step."""
+    from hf_gradacc.callbacks import TokenStatsCallback
+    from hf_gradacc.testing.tiny import ListDataset
+
+    batches: list[dict[str, torch.Tensor]] = []
+    args = one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=GA, use_cpu=True,
+                         ddp_backend="gloo", ddp_timeout=120, seed=0, max_steps=2)  # fmt: skip
+    trainer = SequentialGradAccTrainer(
+        model=build_tiny_model("causal_lm", seed=0), args=args, callbacks=[TokenStatsCallback()],
+        train_dataset=ListDataset(make_samples("causal_lm", BS * GA * W * 2, seed=12)),
+        data_collator=_recording_collator(batches),
+    )  # fmt: skip
+    trainer.train()
+    direct = []
+    for step in range(2):
+        step_batches = batches[step * GA : (step + 1) * GA]
+        direct.append({
+            "tokens/real": sum(int(b["attention_mask"].sum()) for b in step_batches),
+            "tokens/computed": sum(b["input_ids"].numel() for b in step_batches),
+            "tokens/target": sum(int(b["labels"][:, 1:].ne(IGNORE_INDEX).sum()) for b in step_batches),
+            "train/effective_batch_size": sum(b["input_ids"].shape[0] for b in step_batches),
+            "train/micro_batches": len(step_batches),
+        })  # fmt: skip
+    logs = [{k: v for k, v in h.items() if k.startswith(("tokens/", "train/"))} for h in trainer.state.log_history
+            if "loss" in h]  # fmt: skip
+    return {"logs": logs, "direct": direct, "num_processes": trainer.accelerator.num_processes}
+
+
+def case_batchnorm_precise() -> dict[str, Any]:
+    """A tiny ResNet with `batchnorm="precise"`: each rank's running statistics after training, and the per-layer
+    statistics of the batches this rank drew for them (the test averages them over ranks)."""
+    from hf_gradacc.callbacks import BatchNormCallback
+    from hf_gradacc.callbacks.batchnorm import batchnorm_layers
+    from hf_gradacc.testing.reference import batchnorm_statistics
+    from hf_gradacc.testing.tiny import ListDataset, build_tiny_image_model
+
+    args = GradAccConfig(output_dir="unused", per_device_train_batch_size=BS, gradient_accumulation_steps=GA,
+                         max_steps=2, use_cpu=True, ddp_backend="gloo", ddp_timeout=120, seed=0, report_to=[],
+                         save_strategy="no", disable_tqdm=True, batchnorm="precise", precise_bn_batches=3)  # fmt: skip
+    trainer = SequentialGradAccTrainer(
+        model=build_tiny_image_model("resnet"), args=args, data_collator=PaddingCollator(),
+        train_dataset=ListDataset(make_samples("image_classification", BS * GA * W * 2, seed=13)),
+    )  # fmt: skip
+    trainer.train()
+    (callback,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, BatchNormCallback)]
+    stats = batchnorm_statistics(trainer.model, list(callback.precise_batches(trainer.state)))
+    direct = {name: {"mean": mean.tolist(), "var": var.tolist()} for name, (mean, var) in stats.items()}
+    running = {name: {"mean": layer.running_mean.tolist(), "var": layer.running_var.tolist()}
+               for name, layer in batchnorm_layers(trainer.model)}  # fmt: skip
+    return {"running": running, "direct": direct, "num_recomputed": callback.num_recomputed,
+            "num_processes": trainer.accelerator.num_processes}  # fmt: skip
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "moe_mixtral": case_moe("mixtral"),
     "moe_qwen3_moe": case_moe("qwen3_moe"),
@@ -378,6 +443,8 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "auto_micro_batch_causal_lm": case_config_flag("auto_micro_batch"),
     "skip_window": case_skip_window,
     "comm_hook": case_comm_hook,
+    "token_stats": case_token_stats,
+    "batchnorm_precise": case_batchnorm_precise,
 }
 
 
