@@ -7,6 +7,7 @@ Example:
     hf-gradacc check                                   # built-in tiny causal LM, 2 x GA 4
     hf-gradacc check --task sequence_classification --json out.json --plot curves.png
     hf-gradacc check --model ./my-checkpoint --task token_classification
+    hf-gradacc check --trainer dpo                     # TRL's DPOTrainer vs GradAccDPOTrainer
     accelerate launch --config_file examples/accelerate_configs/ddp_cpu.yaml -m hf_gradacc check   # 2 CPU ranks
     ```
 """
@@ -38,6 +39,7 @@ _AUTO_CLASSES: dict[str, str] = {
     "sequence_classification": "AutoModelForSequenceClassification",
     "regression": "AutoModelForSequenceClassification",
     "multi_label_classification": "AutoModelForSequenceClassification",
+    "image_classification": "AutoModelForImageClassification",
 }
 _PROBLEM_TYPES: dict[str, str] = {
     "sequence_classification": "single_label_classification",
@@ -46,6 +48,10 @@ _PROBLEM_TYPES: dict[str, str] = {
 }
 _MAX_SAMPLE_LENGTH = 40
 SCENARIOS: tuple[str, ...] = ("default", "no_loss_kwargs", "plain_compute_loss", "moe_mixtral", "moe_qwen3")
+# --trainer: transformers' Trainer vs GradAccTrainer, or TRL's trainer vs hf_gradacc's (hf_gradacc.trl)
+TRAINERS: tuple[str, ...] = ("trainer", "sft", "dpo")
+_TRL_NAMES: dict[str, str] = {"sft": "SFT", "dpo": "DPO"}
+_DPO_BETA = 0.1
 
 
 # ---------------------------------------------------------------------------------------------- argument parsing
@@ -124,6 +130,16 @@ def check_command_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="what to check besides the head: 'no_loss_kwargs' (a causal LM with accepts_loss_kwargs=False, the VLM "
         "case), 'plain_compute_loss' (both trainers' compute_loss overridden to return outputs.loss), 'moe_mixtral' / "
         "'moe_qwen3' (a tiny mixture-of-experts causal LM whose loss includes its router load-balancing term)",
+    )
+    check.add_argument(
+        "--trainer",
+        choices=TRAINERS,
+        default="trainer",
+        help="the trainers to compare: 'trainer' (transformers.Trainer vs GradAccTrainer), 'sft' (TRL's SFTTrainer vs "
+        "GradAccSFTTrainer: prompt-completion rows, completion-only loss) or 'dpo' (TRL's DPOTrainer vs "
+        "GradAccDPOTrainer: sigmoid loss, beta 0.1, the initial model as reference model). With sft / dpo every "
+        "process's last micro-batch holds one sample less than the others, and the model is the built-in tiny causal "
+        "LM or a causal LM --model. Needs TRL: pip install hf_gradacc[trl]",
     )
     check.add_argument(
         "--per_device_train_batch_size",
@@ -214,6 +230,8 @@ def check_command(opts: argparse.Namespace) -> int:
             print(f"hf-gradacc check: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
     try:
+        if opts.trainer != "trainer":
+            _check_trl_options(opts)
         model, task, model_name, pad_token_id = _load_model(opts)
     except (OSError, ValueError, ImportError, GradAccError) as exc:
         print(f"hf-gradacc check: error: {exc}", file=sys.stderr)
@@ -245,7 +263,10 @@ def check_command(opts: argparse.Namespace) -> int:
     if world_size == 1:
         _warn_if_launch_fell_back_to_one_process()
     # Exactly one window for all ranks: every rank builds the same samples, the reference sees all of them.
-    samples = _synthetic_samples(task, bs * gas * world_size, opts.seed, model)
+    samples = _synthetic_samples(task, bs * gas * world_size, opts.seed, model) if opts.trainer == "trainer" else []
+    num_samples, data_note = len(samples), None
+    trainer_classes = (("GradAccTrainer", GradAccTrainer), ("Trainer", Trainer)) if opts.trainer == "trainer" else ()
+    stock_name, ours_name = ("Trainer", "GradAccTrainer") if opts.trainer == "trainer" else _trl_trainer_names(opts)
 
     try:
         results: dict[str, Any] = {}
@@ -253,7 +274,12 @@ def check_command(opts: argparse.Namespace) -> int:
         # GradAccTrainer first: its set-up checks (e.g. a model FSDP2 cannot wrap) give a clear error where the
         # stock Trainer would fail deep inside torch.
         router_logs: dict[str, float] = {}
-        for name, trainer_class in (("GradAccTrainer", GradAccTrainer), ("Trainer", Trainer)):
+        if opts.trainer != "trainer":
+            with _quiet_stdout(opts.verbose):
+                results, trainer, num_samples, data_note = _trl_one_step(opts.trainer, model, step_kwargs, world_size)
+            backend = trainer.backend
+            task = f"{opts.trainer} (TRL {stock_name})"
+        for name, trainer_class in trainer_classes:
             if opts.scenario == "plain_compute_loss":
                 trainer_class = _plain_compute_loss(trainer_class)
             micro_batches: list = []
@@ -268,7 +294,7 @@ def check_command(opts: argparse.Namespace) -> int:
             backend = getattr(trainer, "backend", backend)
             if name == "GradAccTrainer":
                 router_logs = {k: v for k, v in trainer.state.log_history[0].items() if k.startswith("loss")}
-        results = {name: results[name] for name in ("Trainer", "GradAccTrainer")}  # the report's order
+        results = {name: results[name] for name in (stock_name, ours_name)}  # the report's order
     except GradAccError as exc:
         if is_main:
             print(f"hf-gradacc check: error: {exc}", file=sys.stderr)
@@ -284,17 +310,20 @@ def check_command(opts: argparse.Namespace) -> int:
         per_device_train_batch_size=bs,
         gradient_accumulation_steps=gas,
         world_size=world_size,
-        num_samples=len(samples),
+        num_samples=num_samples,
         backend=backend.describe(),
         device=str(trainer.args.device),
         seed=opts.seed,
         versions=_versions(),
     )
-    ours, stock = results["GradAccTrainer"], results["Trainer"]
+    ours, stock = results[ours_name], results[stock_name]
     is_exact = ours.is_exact(opts.tolerance)
-    summary = _summary_line(ours, stock, opts.tolerance, task)
+    summary = _summary_line(ours, stock, opts.tolerance, task, names=(ours_name, stock_name))
     if is_main:
-        report = _format_report(setup, results, opts.tolerance, stock_note=_stock_note(stock, opts.tolerance, task))
+        note = _stock_note(stock, opts.tolerance, task) if opts.trainer == "trainer" else _trl_stock_note(
+            opts.trainer, stock, opts.tolerance
+        )
+        report = _format_report(setup, results, opts.tolerance, stock_note=note, data_note=data_note)
         if "loss/aux" in router_logs:
             aux, total = router_logs["loss/aux"], router_logs["loss"]
             report += "\n\n" + textwrap.fill(
@@ -471,8 +500,10 @@ def _synthetic_samples(task: str, num_samples: int, seed: int, model: Any) -> li
     import torch
 
     from ..loss import IGNORE_INDEX
-    from ..testing.tiny import NUM_LABELS, PAD_TOKEN_ID, VOCAB_SIZE, make_samples
+    from ..testing.tiny import NUM_LABELS, PAD_TOKEN_ID, VOCAB_SIZE, make_image_samples_for, make_samples
 
+    if task == "image_classification":
+        return make_image_samples_for(model, num_samples, seed=seed)
     config = model.config
     vocab_size = int(getattr(config, "vocab_size", None) or VOCAB_SIZE)
     num_labels = int(getattr(config, "num_labels", NUM_LABELS))
@@ -630,16 +661,21 @@ def _stock_note(stock: Any, tolerance: float, task: str) -> str:
     )
 
 
-def _summary_line(ours: Any, stock: Any, tolerance: float, task: str) -> str:
+def _summary_line(
+    ours: Any, stock: Any, tolerance: float, task: str, *, names: tuple[str, str] = ("GradAccTrainer", "Trainer")
+) -> str:
+    ours_name, stock_name = names
     if ours.is_exact(tolerance):
-        head = f"hf-gradacc check: GradAccTrainer is exact (rel err {ours.relative_error:.1e} <= {tolerance:g})"
+        head = f"hf-gradacc check: {ours_name} is exact (rel err {ours.relative_error:.1e} <= {tolerance:g})"
     else:
-        head = f"hf-gradacc check: GradAccTrainer is NOT exact (rel err {ours.relative_error:.1e} > {tolerance:g})"
-    tail = "stock Trainer is exact too" if stock.is_exact(tolerance) else f"stock Trainer is {_off_by(stock)}"
+        head = f"hf-gradacc check: {ours_name} is NOT exact (rel err {ours.relative_error:.1e} > {tolerance:g})"
+    tail = f"stock {stock_name} is exact too" if stock.is_exact(tolerance) else f"stock {stock_name} is {_off_by(stock)}"
     return f"{head}; {tail}"
 
 
-def _format_report(setup: _Setup, results: dict[str, Any], tolerance: float, *, stock_note: str) -> str:
+def _format_report(
+    setup: _Setup, results: dict[str, Any], tolerance: float, *, stock_note: str, data_note: str | None = None
+) -> str:
     bs, gas, world = setup.per_device_train_batch_size, setup.gradient_accumulation_steps, setup.world_size
     processes = f"{world} process" + ("es" if world != 1 else "")
     versions = ", ".join(f"{k} {v}" for k, v in setup.versions.items() if k != "python")
@@ -649,14 +685,15 @@ def _format_report(setup: _Setup, results: dict[str, Any], tolerance: float, *, 
         f"  task      {setup.task}",
         f"  model     {setup.model_class} ({setup.model}, {setup.num_parameters:,} trainable parameters)",
         f"  batch     {bs} per device x {gas} accumulation steps x {processes} = {setup.num_samples} samples per step",
+        *([f"  data      {data_note}"] if data_note else []),
         f"  backend   {setup.backend} on {setup.device}",
         f"  versions  {versions}",
         "",
-        f"  {'trainer':<16}{'rel. error':>12}{'cosine':>12}{'norm ratio':>12}   verdict (tolerance {tolerance:g})",
+        f"  {'trainer':<18}{'rel. error':>12}{'cosine':>12}{'norm ratio':>12}   verdict (tolerance {tolerance:g})",
     ]
     for name, c in results.items():
         lines.append(
-            f"  {name:<16}{c.relative_error:>12.2e}{c.cosine:>12.6f}{c.norm_ratio:>12.4f}   {_verdict(c, tolerance)}"
+            f"  {name:<18}{c.relative_error:>12.2e}{c.cosine:>12.6f}{c.norm_ratio:>12.4f}   {_verdict(c, tolerance)}"
         )
     lines += ["", textwrap.fill(stock_note, width=115, initial_indent="  ", subsequent_indent="  ")]
     return "\n".join(lines)
@@ -680,3 +717,105 @@ def _plain_compute_loss(trainer_class: type) -> type:
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
     return type(f"PlainLoss{trainer_class.__name__}", (trainer_class,), {"compute_loss": compute_loss})
+
+
+# ---------------------------------------------------------------------------------------------- --trainer sft / dpo
+def _check_trl_options(opts: argparse.Namespace) -> None:
+    """Refuse the options that mean nothing with ``--trainer sft / dpo``; the model is read as a causal LM."""
+    from .. import trl  # noqa: F401  (TRLDependencyError, an ImportError, names the extra)
+
+    if opts.plot:
+        raise GradAccConfigError(f"`--plot` draws the loss curves of `--trainer trainer`; drop it with `--trainer {opts.trainer}`")
+    if opts.scenario != "default":
+        raise GradAccConfigError(f"`--scenario {opts.scenario}` is for `--trainer trainer`; drop it with `--trainer {opts.trainer}`")
+    if opts.task not in (None, "causal_lm"):
+        raise GradAccConfigError(f"`--trainer {opts.trainer}` trains a causal LM; drop `--task {opts.task}`")
+    opts.task = "causal_lm"
+    if not opts.verbose:
+        import datasets
+
+        datasets.disable_progress_bars()  # TRL maps its datasets (tokenize, add eos) with progress bars
+
+
+def _trl_trainer_names(opts: argparse.Namespace) -> tuple[str, str]:
+    """(TRL's trainer, hf_gradacc's) for ``--trainer sft / dpo``."""
+    name = _TRL_NAMES[opts.trainer]
+    return f"{name}Trainer", f"GradAcc{name}Trainer"
+
+
+def _trl_one_step(
+    kind: str, model: Any, step_kwargs: dict[str, Any], world_size: int
+) -> tuple[dict[str, Any], Any, int, str]:
+    """ONE SGD(lr=1) step of hf_gradacc's TRL trainer, then of TRL's, on the same synthetic rows of every process, each
+    compared with the float64 full-batch reference of :mod:`hf_gradacc.testing.trl_steps` (no TRL code in it).
+
+    Every process runs ``batch`` x (GA - 1) then ``batch - 1`` rows (a fixed batch layout, alike on every process as
+    TRL's per-row metric gathers need). Returns the comparisons by trainer name, hf_gradacc's trainer, the step's
+    samples and a line describing them.
+    """
+    import copy
+
+    import trl
+
+    from .. import trl as gradacc_trl
+    from ..testing import trl_steps
+    from ..testing.one_step import full_parameters, one_step_args
+    from ..testing.reference import compare
+
+    bs, gas, seed = step_kwargs["per_device_train_batch_size"], step_kwargs["gradient_accumulation_steps"], step_kwargs["seed"]
+    layout = trl_steps.uneven_batch_sizes(bs, gas, world_size)
+    vocab_size = int(model.config.vocab_size)
+    if vocab_size < 4:
+        raise GradAccConfigError(f"the model's `vocab_size` ({vocab_size}) is too small for synthetic data (needs >= 4)")
+    name, extra = _TRL_NAMES[kind], {}
+    if kind == "sft":
+        from datasets import Dataset
+
+        rows = trl_steps.sft_rows(sum(layout), seed, vocab_size=vocab_size)
+        dataset, reference = Dataset.from_list(rows), trl_steps.sft_reference(model, rows)
+        config: dict[str, Any] = {"completion_only_loss": True, "max_length": None}
+        what = "prompt-completion rows (loss on the completions)"
+    else:
+        pairs = trl_steps.dpo_pairs(sum(layout), seed, vocab_size=vocab_size)
+        dataset, reference = trl_steps.dpo_dataset(pairs), trl_steps.dpo_reference(model, pairs, beta=_DPO_BETA)
+        config = {"beta": _DPO_BETA}
+        what = f"preference pairs (sigmoid loss, beta {_DPO_BETA}, the initial model as reference model)"
+    results: dict[str, Any] = {}
+    ours = None
+    for module, prefix in ((gradacc_trl, "GradAcc"), (trl, "")):
+        trainer_class = trl_steps.with_batch_layout(getattr(module, f"{prefix}{name}Trainer"), layout)
+        args = one_step_args(args_class=getattr(module, f"{prefix}{name}Config"), bf16=False, **step_kwargs, **config)
+        if kind == "dpo":
+            extra = {"ref_model": copy.deepcopy(model)}
+        policy = copy.deepcopy(model)
+        initial = {n: p.detach().clone().cpu() for n, p in policy.named_parameters() if p.requires_grad}
+        trainer = trainer_class(model=policy, args=args, train_dataset=dataset,
+                                processing_class=trl_steps.word_tokenizer(vocab_size), **extra)  # fmt: skip
+        trainer.train()
+        final = full_parameters(trainer)
+        results[f"{prefix}{name}Trainer"] = compare({n: initial[n] - final[n].float() for n in initial}, reference.grads)
+        ours = trainer if ours is None else ours
+    per_process = ", ".join(str(size) for size in layout[::world_size])
+    return results, ours, sum(layout), f"{sum(layout)} {what}; micro-batches of {per_process} per process"
+
+
+def _trl_stock_note(kind: str, stock: Any, tolerance: float) -> str:
+    if kind == "sft":
+        if stock.is_exact(tolerance):
+            return (
+                "TRL's SFTTrainer is exact here too: it divides each micro-batch's token sum by the step's token count, "
+                "gathered over the processes. What hf_gradacc adds for SFT (a mixture-of-experts router term weighted "
+                "by routed tokens, `average_tokens_across_devices=False`, ...) is in docs/trl.md."
+            )
+        return f"TRL's SFTTrainer is {_off_by(stock)} from the full-batch step here; docs/trl.md says when."
+    if stock.is_exact(tolerance):
+        return (
+            "TRL's DPOTrainer is exact here too: every micro-batch holds the same number of pairs. It averages each "
+            "micro-batch's pairs and divides by the accumulation steps, which is off as soon as they differ (try "
+            "--per_device_train_batch_size 2 or more)."
+        )
+    return (
+        f"TRL's DPOTrainer is {_off_by(stock)}: it averages each micro-batch's pairs and divides by the accumulation "
+        "steps, so the pairs of the short micro-batches weigh more than the others (the mean of micro-batch means, "
+        "not the mean over all the step's pairs)."
+    )

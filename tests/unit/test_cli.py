@@ -309,3 +309,79 @@ def test_check_exit_status_of_trainer_errors(monkeypatch, capsys, error, status)
     monkeypatch.setattr(check, "one_step_update", fail)
     assert main(["check"]) == status
     assert "hf-gradacc check: error: `gradient_accumulation_steps` (3)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- --trainer sft / dpo
+def test_check_trainer_dpo_shows_stock_trl_off_and_exits_0(tmp_path, capsys):
+    """7 pairs at batch 2 x GA 4 (2 + 2 + 2 + 1): TRL's DPOTrainer averages micro-batch means, GradAccDPOTrainer is
+    the mean over all pairs; both against the float64 reference of hf_gradacc/testing/trl_steps.py."""
+    pytest.importorskip("trl")
+    report = tmp_path / "check.json"
+    assert main(["check", "--trainer", "dpo", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "task      dpo (TRL DPOTrainer)" in out and "= 7 samples per step" in out
+    assert "micro-batches of 2, 2, 2, 1 per process" in out
+    ours, stock = _row(out, "GradAccDPOTrainer"), _row(out, "DPOTrainer")
+    assert float(ours[1]) <= TOLERANCE and ours[-1] == "exact"
+    assert float(stock[1]) > 0.2 and stock[-1] == "WRONG"
+    assert "the mean of micro-batch means" in " ".join(out.split())  # the note, unwrapped
+    assert out.strip().splitlines()[-1].startswith("hf-gradacc check: GradAccDPOTrainer is exact (rel err ")
+    data = json.loads(report.read_text())
+    assert list(data["results"]) == ["DPOTrainer", "GradAccDPOTrainer"] and data["is_exact"] is True
+    assert data["setup"]["num_samples"] == 7 and data["setup"]["task"] == "dpo (TRL DPOTrainer)"
+
+
+def test_check_trainer_sft_both_exact(capsys):
+    """TRL's SFTTrainer already divides by the step's token count: the report says both are exact, and why."""
+    pytest.importorskip("trl")
+    assert main(["check", "--trainer", "sft", "--gradient_accumulation_steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batches of 2, 2, 1 per process" in out
+    for name in ("SFTTrainer", "GradAccSFTTrainer"):
+        row = _row(out, name)
+        assert float(row[1]) <= TOLERANCE and row[-1] == "exact", row
+    assert "TRL's SFTTrainer is exact here too" in " ".join(out.split())
+    assert out.strip().splitlines()[-1].endswith("stock SFTTrainer is exact too")
+
+
+def test_check_trainer_sft_on_a_saved_causal_lm(tmp_path, capsys):
+    """--model with --trainer: the checkpoint is loaded as a causal LM; rows are drawn within its vocabulary (200)."""
+    pytest.importorskip("trl")
+    path = _save_tiny(tmp_path / "llama", transformers.LlamaForCausalLM)
+    assert main(["check", "--trainer", "sft", "--model", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM (" in out and str(path) in out
+    assert _row(out, "GradAccSFTTrainer")[-1] == "exact"
+
+
+def test_check_trainer_dpo_with_equal_micro_batches_says_stock_is_exact_there(capsys):
+    pytest.importorskip("trl")
+    assert main(["check", "--trainer", "dpo", "--per_device_train_batch_size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert _row(out, "DPOTrainer")[-1] == "exact"
+    assert "every micro-batch holds the same number of pairs" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--task", "masked_lm"], "trains a causal LM; drop `--task masked_lm`"),
+        (["--scenario", "moe_mixtral"], "`--scenario moe_mixtral` is for `--trainer trainer`"),
+        (["--plot", "curves.png"], "`--plot` draws the loss curves of `--trainer trainer`"),
+    ],
+)
+def test_check_trainer_refuses_options_of_the_plain_check(argv, message, tmp_path, capsys):
+    pytest.importorskip("trl")
+    pytest.importorskip("matplotlib")
+    assert main(["check", "--trainer", "sft", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_check_trainer_without_trl_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "trl", None)  # `import trl` now fails as if it were not installed
+    monkeypatch.delitem(sys.modules, "hf_gradacc.trl", raising=False)
+    import hf_gradacc
+
+    monkeypatch.delattr(hf_gradacc, "trl", raising=False)  # `from .. import trl` would find the module imported before
+    assert main(["check", "--trainer", "dpo"]) == 2
+    assert 'pip install "hf_gradacc[trl]"' in capsys.readouterr().err

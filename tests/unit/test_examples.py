@@ -75,3 +75,70 @@ def test_vae_example_runs_in_process_with_two_logged_terms(tmp_path: Path) -> No
     assert summary["loss"] == pytest.approx(summary["loss/reconstruction"] + summary["loss/adversarial"], rel=1e-5)
     # GradNormCallback reads the gradient before clipping: its global norm is the logged (pre-clip) grad_norm.
     assert summary["grad_norm/global"] == pytest.approx(summary["grad_norm"], rel=1e-4)
+
+
+def _load_example(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_example", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sft_lora_example_step_is_the_float64_full_batch_step(tmp_path: Path, monkeypatch) -> None:
+    """examples/sft_lora.py, unchanged, on a tiny checkpoint loaded from a temp dir: 7 prompt-completion rows at batch
+    2 x GA 4 (micro-batches of 2 + 2 + 2 + 1), one SGD(lr=1) step. The LoRA update is minus the float64 gradient of the
+    mean over ALL completion tokens (relative error <= 1e-5), and the logged grad_norm is its norm."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    from hf_gradacc.testing.reference import compare
+    from hf_gradacc.testing.trl_steps import save_tiny_checkpoint, sft_reference
+
+    module = _load_example("sft_lora")
+    texts = [row["prompt"] + " " + row["completion"] for row in module.TOY_DATA]
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny", texts)
+    captured: dict = {}
+    build_trainer = module.build_trainer
+
+    def capturing(argv):
+        trainer = build_trainer(argv)
+        # the values only: a copy of TRL's model would run the original's forward (TRL patches it with a closure)
+        captured["trainer"] = trainer
+        captured["initial"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        return trainer
+
+    monkeypatch.setattr(module, "build_trainer", capturing)
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    summary = module.main([
+        "--model_name_or_path", str(checkpoint), "--output_dir", str(tmp_path / "run"), "--max_train_samples", "7",
+        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4", "--max_steps", "1",
+        "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0", "--optim", "sgd", "--learning_rate", "1",
+        "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--use_cpu", "true", "--bf16", "false",
+        "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "true",
+    ])  # fmt: skip
+    trainer, values = captured["trainer"], captured["initial"]
+    assert summary["steps"] == 1 and (tmp_path / "run" / "adapter_model.safetensors").is_file()
+    # TRL's tokenized rows: its labels are the completion tokens (prompt positions -100)
+    rows = [{"input_ids": r["input_ids"], "completion_mask": [int(label != -100) for label in r["labels"]]}
+            for r in trainer.train_dataset]  # fmt: skip
+    assert len(rows) == 7 and all(r["input_ids"][-1] == 1 for r in rows)  # TRL appended </s> to every completion
+    assert all(2 not in r["input_ids"] for r in rows)  # no <unk>: the tokenizer covers the data
+    assert all(0 < sum(r["completion_mask"]) < len(r["input_ids"]) for r in rows)  # prompts are not trained on
+    update = {n: values[n] - p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert update and all("lora_" in n for n in update)  # only the adapter trains
+    # the initial model, rebuilt apart from TRL: the checkpoint, the same adapter, its initial values
+    initial = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint), trainer.model.peft_config["default"])
+    initial.load_state_dict(values)
+    reference = sft_reference(initial, rows)
+    assert compare(update, reference.grads).relative_error <= 1e-5
+    assert summary["grad_norm"] == pytest.approx(reference.norm, rel=1e-5)
+    assert summary["loss"] == pytest.approx(reference.loss, rel=1e-5)
+    # LoRA starts with B = 0, so A's gradient is exactly 0 in the first step and every B moves
+    assert all(float(u.abs().max()) == 0 for n, u in update.items() if "lora_A" in n)
+    assert all(float(u.abs().max()) > 0 for n, u in update.items() if "lora_B" in n)
+    assert torch.isfinite(torch.tensor(summary["loss"]))

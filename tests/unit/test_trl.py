@@ -14,28 +14,34 @@ every run here sets ``bf16=False``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import random
 import sys
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
-from transformers import HfArgumentParser, PreTrainedTokenizerFast  # noqa: E402
+from transformers import HfArgumentParser  # noqa: E402
 from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccError, GradAccMixin  # noqa: E402
 from hf_gradacc.config import GRADACC_FIELDS  # noqa: E402
+from hf_gradacc.testing import trl_steps  # noqa: E402
 from hf_gradacc.testing.one_step import one_step_args  # noqa: E402
-from hf_gradacc.testing.reference import compare, float64_copy  # noqa: E402
-from hf_gradacc.testing.tiny import VOCAB_SIZE, build_tiny_model, build_tiny_moe  # noqa: E402
+from hf_gradacc.testing.reference import compare  # noqa: E402
+from hf_gradacc.testing.tiny import build_tiny_model, build_tiny_moe  # noqa: E402
+from hf_gradacc.testing.trl_steps import (  # noqa: E402
+    build_tiny_reward_model,
+    dpo_dataset,
+    dpo_pairs,
+    reward_rows,
+    sft_rows,
+    word_tokenizer,
+)
 from hf_gradacc.trl import (  # noqa: E402
     GradAccDPOConfig,
     GradAccDPOTrainer,
@@ -63,78 +69,22 @@ def _no_telemetry(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-SPECIAL = {0: "<pad>", 1: "</s>", 2: "<unk>"}
+# The data, the tokenizer and the float64 references are shared with the 2-rank tests and `hf-gradacc check
+# --trainer` (hf_gradacc/testing/trl_steps.py): no TRL and no trainer code in them.
+tokenizer = word_tokenizer
+reward_model = build_tiny_reward_model
 
 
-def word(token_id: int) -> str:
-    return SPECIAL.get(token_id, f"w{token_id}")
+def sft_reference(model, rows, **kwargs) -> dict[str, torch.Tensor]:
+    return trl_steps.sft_reference(model, rows, **kwargs).grads
 
 
-def tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over the tiny models' vocabulary: <pad> 0, </s> 1, <unk> 2, then "w3" ... "w95"; it adds
-    no special tokens, so text of space-separated words tokenizes to exactly their ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    backend = Tokenizer(models.WordLevel(vocab={word(i): i for i in range(VOCAB_SIZE)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+def dpo_reference(model, pairs, *, beta: float = BETA, **kwargs) -> dict[str, torch.Tensor]:
+    return trl_steps.dpo_reference(model, pairs, beta=beta, **kwargs).grads
 
 
-def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randint(3, VOCAB_SIZE - 1) for _ in range(n)]
-
-
-def sft_rows(seed: int = 0) -> list[dict[str, list[int]]]:
-    """Prompt-completion samples, tokenized: long prompts (not trained on), short completions of mixed lengths."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(NUM_SAMPLES):
-        prompt, completion = rng.randint(1, 12), rng.randint(1, 6)
-        rows.append({"input_ids": _ids(rng, prompt + completion), "completion_mask": [0] * prompt + [1] * completion})
-    return rows
-
-
-def dpo_pairs(seed: int = 1) -> list[dict[str, list[int]]]:
-    """Preference pairs as token ids: prompt, chosen and rejected completions of mixed lengths, each ending in eos."""
-    rng = random.Random(seed)
-    return [
-        {
-            "prompt": _ids(rng, rng.randint(1, 8)),
-            "chosen": _ids(rng, rng.randint(1, 6)) + [1],
-            "rejected": _ids(rng, rng.randint(1, 6)) + [1],
-        }
-        for _ in range(NUM_SAMPLES)
-    ]
-
-
-def dpo_dataset(pairs: list[dict[str, list[int]]]) -> Dataset:
-    def text(ids: list[int]) -> str:
-        return " ".join(word(i) for i in ids)
-
-    return Dataset.from_list(
-        [{"prompt": text(p["prompt"]), "chosen": " " + text(p["chosen"]), "rejected": " " + text(p["rejected"])}
-         for p in pairs]
-    )  # fmt: skip
-
-
-def reward_rows(seed: int = 2) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    return [
-        {"chosen_ids": _ids(rng, rng.randint(2, 10)), "rejected_ids": _ids(rng, rng.randint(2, 10)),
-         "margin": round(rng.random(), 3)}
-        for _ in range(NUM_SAMPLES)
-    ]  # fmt: skip
-
-
-def reward_model(seed: int = 0) -> torch.nn.Module:
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, num_labels=1,
-    )  # fmt: skip
-    return tf.LlamaForSequenceClassification(config)
+def reward_reference(model, rows, *, center: float) -> dict[str, torch.Tensor]:
+    return trl_steps.reward_reference(model, rows, center=center).grads
 
 
 def one_step(
@@ -175,76 +125,6 @@ def every_parameter_moved(update: dict[str, torch.Tensor]) -> bool:
 
 def train_log(trainer: Any) -> dict[str, float]:
     return next(entry for entry in trainer.state.log_history if "loss" in entry)
-
-
-# ---------------------------------------------------------------------------------------------- float64 references
-def _completion_logps(model: torch.nn.Module, ids: list[int], mask: list[int]) -> torch.Tensor:
-    """log p(token | prefix) of every token whose mask is 1 (a causal LM predicts token i from positions < i)."""
-    logits = model(input_ids=torch.tensor([ids])).logits[0].double()
-    logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
-    return logp[torch.tensor(mask[1:], dtype=torch.bool)]
-
-
-def sft_reference(model, rows, *, dft: bool = False, micro_batches=None) -> dict[str, torch.Tensor]:
-    """The step's loss: the mean over ALL completion tokens of -log p (``dft``: times p, not differentiated); for a
-    mixture-of-experts model plus sum_m (routed tokens of m / of the step) x coef x aux(m) over the micro-batches."""
-    ref = float64_copy(model)
-    total, count = torch.zeros((), dtype=torch.float64), 0
-    for row in rows:
-        logp = _completion_logps(ref, row["input_ids"], row["completion_mask"])
-        total = total - (logp * logp.exp().detach()).sum() if dft else total - logp.sum()
-        count += logp.numel()
-    loss = total / count
-    if micro_batches is not None:
-        loss = loss + router_term(ref, micro_batches)
-    loss.backward()
-    return {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
-
-
-def router_term(model: torch.nn.Module, micro_batches) -> torch.Tensor:
-    """sum_m (routed tokens of m / of the step) x coef x aux(m): a router loss is defined per forward pass."""
-    routed = [int(mb["attention_mask"].sum()) for mb in micro_batches]
-    total = torch.zeros((), dtype=torch.float64)
-    for mb, n in zip(micro_batches, routed):
-        aux = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], output_router_logits=True).aux_loss
-        total = total + model.config.router_aux_loss_coef * aux * n / sum(routed)
-    return total
-
-
-def dpo_reference(model, pairs, *, beta: float = BETA, micro_batches=None) -> dict[str, torch.Tensor]:
-    """Sigmoid DPO: the mean over ALL pairs of -log sigmoid(beta x (policy - reference log-ratio margin)); the
-    reference model is the initial model, each completion's log-probability summed over its tokens. A mixture of
-    experts adds the policy's router term over the step's micro-batches."""
-    policy, frozen = float64_copy(model), float64_copy(model)
-    losses = []
-    for pair in pairs:
-        margins = []
-        for net in (policy, frozen):
-            with contextlib.nullcontext() if net is policy else torch.no_grad():
-                seq = {k: pair["prompt"] + pair[k] for k in ("chosen", "rejected")}
-                mask = {k: [0] * len(pair["prompt"]) + [1] * len(pair[k]) for k in ("chosen", "rejected")}
-                chosen = _completion_logps(net, seq["chosen"], mask["chosen"]).sum()
-                rejected = _completion_logps(net, seq["rejected"], mask["rejected"]).sum()
-                margins.append(chosen - rejected)
-        losses.append(-F.logsigmoid(beta * (margins[0] - margins[1])))
-    loss = torch.stack(losses).mean()
-    if micro_batches is not None:
-        loss = loss + router_term(policy, micro_batches)
-    loss.backward()
-    return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
-
-
-def reward_reference(model, rows, *, center: float) -> dict[str, torch.Tensor]:
-    """Bradley-Terry with margins: the mean over ALL pairs of -log sigmoid(r_chosen - r_rejected - margin), plus
-    ``center`` x the mean over pairs of (r_chosen + r_rejected)^2; r is the score of the sequence's last token."""
-    ref = float64_copy(model)
-    losses = []
-    for row in rows:
-        r_c = ref(input_ids=torch.tensor([row["chosen_ids"]])).logits.reshape(())
-        r_r = ref(input_ids=torch.tensor([row["rejected_ids"]])).logits.reshape(())
-        losses.append(-F.logsigmoid(r_c - r_r - row["margin"]) + center * (r_c + r_r) ** 2)
-    torch.stack(losses).mean().backward()
-    return {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
 
 
 # ---------------------------------------------------------------------------------------------- import, configs, MRO
@@ -634,3 +514,15 @@ def test_dpo_example_logs_the_exact_gradient_norm(tmp_path) -> None:
     norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in reference.values())))
     assert summary["grad_norm"] == pytest.approx(norm, rel=1e-5)
     assert summary["loss"] == pytest.approx(float(torch.log(torch.tensor(2.0))), rel=1e-6)  # policy == reference
+
+
+def test_the_references_refuse_a_model_trl_has_patched(tmp_path) -> None:
+    """TRL replaces the model's forward with a closure over the original (its fused LM head): a float64 copy of that
+    model would still run the float32 original, and its gradient would be empty. The references say so instead."""
+    model = build_tiny_model("causal_lm")
+    trainer = GradAccSFTTrainer(model=model, args=one_step_args(str(tmp_path), per_device_train_batch_size=2,
+                                gradient_accumulation_steps=4, args_class=GradAccSFTConfig, bf16=False),
+                                train_dataset=Dataset.from_list(sft_rows()), processing_class=tokenizer())  # fmt: skip
+    with pytest.raises(ValueError, match="forward was replaced"):
+        trl_steps.sft_reference(trainer.model, sft_rows())
+    assert trl_steps.sft_reference(build_tiny_model("causal_lm"), sft_rows()).norm > 0
