@@ -514,6 +514,19 @@ class GradAccMixin:
         finally:
             del self.compute_loss
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`; under FSDP with a sharded state dict, from which transformers 5.23 writes NO model
+        (and raises nothing), a warning says so and how to get a full model."""
+        super().save_model(output_dir, _internal_call)
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None) if self.is_fsdp_enabled else None
+        if plugin is not None and not _internal_call and "FULL_STATE_DICT" not in str(plugin.state_dict_type):
+            logger.warning(
+                f"save_model({output_dir or self.args.output_dir!r}) wrote no model: under FSDP with "
+                f"state_dict_type={str(plugin.state_dict_type).split('.')[-1]} transformers saves nothing from "
+                "save_model. Set `fsdp_state_dict_type: FULL_STATE_DICT` in the accelerate config (or "
+                "fsdp_config={'state_dict_type': 'FULL_STATE_DICT'}) to get a full model (see docs/recipes.md)."
+            )
+
     def end(self) -> None:
         """`Trainer.end` (finish trackers, destroy the process group), safe at exit on CPU ranks (gloo).
 

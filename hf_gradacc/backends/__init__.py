@@ -38,11 +38,22 @@ def check_requested_backend(dist_type: Any) -> None:
     """
     for variable, wanted in _REQUESTED.items():
         if os.environ.get(variable, "").strip().lower() in ("1", "true", "yes") and str(dist_type).split(".")[-1] != wanted:
+            got = str(dist_type).split(".")[-1]
+            from ..patches import CPU_DISTRIBUTED_ENV
+            if os.environ.get(CPU_DISTRIBUTED_ENV, "").strip().lower() in ("1", "true", "yes"):
+                hint = (
+                    f"{CPU_DISTRIBUTED_ENV} is set, so the CPU patch is on: an FSDP config on CPU ranks also needs "
+                    "`--use_cpu true` (TrainingArguments.use_cpu=True) in the script's arguments, and a DeepSpeed one "
+                    "must NOT get it (see docs/recipes.md)."
+                )
+            else:
+                hint = (
+                    f"On a host without GPU set {CPU_DISTRIBUTED_ENV}=1 to run the config on CPU ranks (FSDP also needs "
+                    "`--use_cpu true`); otherwise fix the accelerate config (`distributed_type`)."
+                )
             raise UnsupportedBackendError(
                 f"The launch asks for {wanted} (`{variable}=true`, from the accelerate config or TrainingArguments) but "
-                f"accelerate set up {str(dist_type).split('.')[-1]} on this host, so the run would not be what the config "
-                "says. On a host without GPU set HF_GRADACC_CPU_DISTRIBUTED=1 to run the config on CPU ranks; "
-                "otherwise fix the accelerate config (`distributed_type`)."
+                f"accelerate set up {got} on this host, so the run would not be what the config says. {hint}"
             )
 
 

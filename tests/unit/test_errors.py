@@ -185,3 +185,24 @@ def test_plain_mean_loss_of_a_micro_batch_without_labels_is_a_loss_error(helpers
     args = one_step_args(per_device_train_batch_size=BATCH_SIZE, gradient_accumulation_steps=GA)
     with pytest.raises(GradAccLossError, match="non-finite.*LossTerm"):
         one_step_update(PlainLoss, build_tiny_model("causal_lm"), samples, args)
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_downgraded_fsdp_launch_says_what_to_change(monkeypatch, patched: bool) -> None:
+    """An FSDP config that accelerate turned into CPU DDP: without the patch the message names the variable; with the
+    patch on (the variable set) it names the missing `--use_cpu true` instead."""
+    from hf_gradacc.backends import check_requested_backend
+    from hf_gradacc.errors import UnsupportedBackendError
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    if patched:
+        monkeypatch.setenv("HF_GRADACC_CPU_DISTRIBUTED", "1")
+    else:
+        monkeypatch.delenv("HF_GRADACC_CPU_DISTRIBUTED", raising=False)
+    with pytest.raises(UnsupportedBackendError, match="asks for FSDP") as info:
+        check_requested_backend("DistributedType.MULTI_CPU")
+    message = str(info.value)
+    assert ("--use_cpu true" in message) and (("is set, so the CPU patch is on" in message) == patched)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    check_requested_backend("DistributedType.MULTI_CPU")  # nothing asked: nothing raised

@@ -191,3 +191,35 @@ def test_training_arguments_are_not_changed_by_the_mixin():
     before = args.to_dict()
     GradAccTrainer(model=build_tiny_model("causal_lm"), args=args)
     assert args.to_dict() == before
+
+
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_save_model_under_sharded_fsdp_warns_that_nothing_was_written(tmp_path, monkeypatch, caplog, state_dict_type):
+    """transformers 5.23 writes no model from save_model under FSDP with a sharded state dict, without an error:
+    GradAccTrainer warns (the FSDP plugin is faked here; tests/distributed/test_recipes.py runs the real one)."""
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+    from transformers.utils import logging as hf_logging
+
+    from hf_gradacc import GradAccTrainer
+    from hf_gradacc.testing.one_step import one_step_args
+    from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+
+    trainer = GradAccTrainer(
+        model=build_tiny_model("causal_lm"),
+        args=one_step_args(str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2),
+        train_dataset=ListDataset(make_samples("causal_lm", 4)),
+        data_collator=PaddingCollator(),
+    )
+    monkeypatch.setattr(Trainer, "save_model", lambda self, output_dir=None, _internal_call=False: None)
+    trainer.is_fsdp_enabled = True
+    monkeypatch.setattr(type(trainer.accelerator.state), "fsdp_plugin", SimpleNamespace(state_dict_type=state_dict_type), raising=False)
+    hf_logging.enable_propagation()
+    with caplog.at_level("WARNING"):
+        trainer.save_model(str(tmp_path / "model"))
+        trainer.save_model(str(tmp_path / "ckpt"), _internal_call=True)  # checkpoints save FSDP shards: no warning
+    warned = [r.getMessage() for r in caplog.records if "wrote no model" in r.getMessage()]
+    assert len(warned) == (state_dict_type == "SHARDED_STATE_DICT")
+    if warned:
+        assert "SHARDED_STATE_DICT" in warned[0] and "FULL_STATE_DICT" in warned[0] and "model" in warned[0]
