@@ -128,6 +128,7 @@ class GradAccMixin:
         self._accumulated_grad_hooks: list[tuple[AccumulatedGradHook, bool]] = []
         self._term_log = TermLog()
         self._extra_logs: dict[str, float] = {}
+        self._step_means: dict[str, tuple[float, int]] = {}  # add_log_metrics(per_step=True): sum, steps
         self.grads = GradAccess(self)
         batchnorm = batchnorm_callback_for(self.model, settings, self.callback_handler.callbacks)
         if batchnorm is not None:  # BatchNorm under accumulation: a warning, or the `batchnorm` mode (callbacks/)
@@ -193,9 +194,15 @@ class GradAccMixin:
         schedule = self.gradacc.accumulation_schedule
         return self.args.gradient_accumulation_steps if schedule is None else schedule.at(self.state.global_step)
 
-    def add_log_metrics(self, metrics: Mapping[str, float]) -> None:
-        """Add ``metrics`` to the next training log line (used by hf_gradacc callbacks)."""
-        self._extra_logs.update({k: float(v) for k, v in metrics.items()})
+    def add_log_metrics(self, metrics: Mapping[str, float], *, per_step: bool = False) -> None:
+        """Add ``metrics`` to the next training log line (used by hf_gradacc callbacks). ``per_step=True``: values of
+        one optimizer step, logged as their MEAN over the steps since the previous log line."""
+        if not per_step:
+            self._extra_logs.update({k: float(v) for k, v in metrics.items()})
+            return
+        for key, value in metrics.items():
+            total, steps = self._step_means.get(key, (0.0, 0))
+            self._step_means[key] = (total + float(value), steps + 1)
 
     def backward(self, loss: torch.Tensor, *, final: bool, retain_graph: bool = False) -> None:
         """Low-level backward pass for custom training steps: accumulate ``loss``'s gradient.
@@ -489,6 +496,9 @@ class GradAccMixin:
         """`Trainer.log`, with per-term losses (``loss/<name>``) and callback metrics added to training logs."""
         if "loss" in logs:
             logs.update(self._term_log.pop_means(self.backend.all_gather, self.args.device))
+        if "loss" in logs and self._step_means:
+            logs.update({key: total / steps for key, (total, steps) in self._step_means.items()})
+            self._step_means = {}
         if "loss" in logs and self._extra_logs:
             logs.update(self._extra_logs)
             self._extra_logs = {}

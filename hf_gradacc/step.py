@@ -202,10 +202,10 @@ def optimizer_step(trainer: GradAccMixin, window: Window) -> tuple[torch.Tensor,
     trainer.backend.optimizer_step(trainer.optimizer, lr_factor=lr_factor)
     trainer.control = trainer.callback_handler.on_optimizer_step(trainer.args, trainer.state, trainer.control)
     if schedule is not None:
-        trainer.add_log_metrics({
-            "accumulation_steps": schedule.at(trainer.state.global_step),
-            "effective_batch_size": window.counts.global_samples,
-        })  # fmt: skip
+        trainer.add_log_metrics(
+            {"accumulation_steps": schedule.at(trainer.state.global_step), "effective_batch_size": window.counts.global_samples},
+            per_step=True,
+        )
     if not trainer.accelerator.optimizer_step_was_skipped and not isinstance(
         trainer.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau
     ):

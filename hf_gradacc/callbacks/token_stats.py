@@ -48,12 +48,12 @@ class TokenStatsCallback(GradAccCallback):
     - ``tokens/real``: input tokens attended to (``attention_mask`` ones), ``tokens/computed``: input positions
       computed (padding included), ``tokens/padding_ratio``: ``1 - real / computed`` (token-input models only);
     - ``tokens/target``: counted target tokens (token-level heads only; for classification heads it is
-      ``train/effective_batch_size``);
+      ``effective_batch_size``);
     - ``tokens/per_second``: real tokens / seconds, over the same steps, of this rank's wall time from
       ``on_step_begin`` to ``on_step_end`` (forward, backward and optimizer step; no data loading, evaluation,
       checkpointing or logging). Image models: ``samples/per_second`` instead;
-    - ``train/effective_batch_size``: samples per step (rows; sequence and image classification: rows whose label is
-      not ignored), ``train/micro_batches``: micro-batches per step over all ranks.
+    - ``effective_batch_size``: samples per step (rows; sequence and image classification: rows whose label is
+      not ignored), ``micro_batches``: micro-batches per step over all ranks.
 
     Args:
         keep_history: also keep every step's :class:`StepTokens` in ``history`` (one small record per step).
@@ -112,8 +112,8 @@ class TokenStatsCallback(GradAccCallback):
         trainer = self._require_trainer()
         n = totals.steps
         metrics: dict[str, float] = {
-            "train/effective_batch_size": totals.samples / n,
-            "train/micro_batches": totals.micro_batches / n,
+            "effective_batch_size": totals.samples / n,
+            "micro_batches": totals.micro_batches / n,
         }
         if totals.computed_tokens > 0:
             metrics["tokens/real"] = totals.real_tokens / n

@@ -33,7 +33,8 @@ PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("learning rate", ("learning_rate",), "learning rate"),
     ("throughput", ("tokens/per_second", "samples/per_second"), ""),  # y label: the key drawn
     ("padding ratio", ("tokens/padding_ratio",), "1 - real / computed tokens"),
-    ("effective batch", ("train/effective_batch_size",), "samples per optimizer step"),
+    ("effective batch", ("effective_batch_size",), "samples per optimizer step"),
+    ("accumulation", ("accumulation_steps",), "micro-batches per rank per step"),  # an accumulation schedule
 )
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 

@@ -49,7 +49,7 @@ def test_precise_batchnorm_example_numbers(tmp_path: Path) -> None:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     # one epoch of 64 images in 4 steps: every counted image (label not -100) in exactly one step
     counted_images = sum(s["labels"] != -100 for s in make_image_samples(64, seed=trainer.args.seed))
-    assert sum(h["train/effective_batch_size"] for h in logs) == counted_images == 55
+    assert sum(h["effective_batch_size"] for h in logs) == counted_images == 55
 
     (callback,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, BatchNormCallback)]
     model = trainer.model

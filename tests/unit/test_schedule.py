@@ -280,3 +280,15 @@ def test_the_example_follows_its_schedule_exactly(tmp_path) -> None:
 
     errors = [c.relative_error for c in check_steps(recorder.steps, tiny("causal_lm", seed=42), samples, "causal_lm")]
     assert max(errors) <= TOLERANCE, errors
+
+
+def test_logged_values_are_means_per_step_between_log_lines(tmp_path) -> None:
+    _, _, recorder, trainer = _train(tmp_path, logging_steps=3)
+    trainer.train()
+    scheduled = [AccumulationSchedule.parse(SCHEDULE, base=BASE_GA).at(s.step) for s in recorder.steps]
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in history] == [3, 6, 9, 12]
+    for k, h in enumerate(history):
+        steps = recorder.steps[3 * k : 3 * k + 3]
+        assert h["accumulation_steps"] == pytest.approx(sum(scheduled[3 * k : 3 * k + 3]) / 3)
+        assert h["effective_batch_size"] == pytest.approx(sum(len(s.samples) for s in steps) / 3)

@@ -64,8 +64,8 @@ def _direct(batches: list[dict[str, torch.Tensor]], *, causal: bool) -> dict[str
         "tokens/computed": computed,
         "tokens/padding_ratio": 1 - real / computed,
         "tokens/target": targets,
-        "train/effective_batch_size": sum(b["input_ids"].shape[0] for b in batches),
-        "train/micro_batches": len(batches),
+        "effective_batch_size": sum(b["input_ids"].shape[0] for b in batches),
+        "micro_batches": len(batches),
         "tokens/per_second": real / STEP_SECONDS,
     }
 
@@ -78,7 +78,7 @@ def test_every_logged_step_matches_a_direct_count(fake_clock) -> None:
     for k, (log, step_batches) in enumerate(zip(logs, steps)):
         expected = _direct(step_batches, causal=True)
         assert {key: log[key] for key in expected} == pytest.approx(expected, rel=1e-12), f"step {k + 1}"
-    assert logs[-1]["train/micro_batches"] == 2 and logs[-1]["train/effective_batch_size"] == 4
+    assert logs[-1]["micro_batches"] == 2 and logs[-1]["effective_batch_size"] == 4
     assert 0.1 < logs[0]["tokens/padding_ratio"] < 0.9  # mixed lengths: real padding to report
     assert [s.seconds for s in callback.history] == [STEP_SECONDS] * 4
 
@@ -89,7 +89,7 @@ def test_steps_that_are_not_logged_are_averaged_into_the_next_log_line(fake_cloc
     for log, first in zip(logs, (0, 8)):
         one = _direct(batches[first : first + 4], causal=True)
         two = _direct(batches[first + 4 : first + 8], causal=True)
-        for key in ("tokens/real", "tokens/computed", "tokens/target", "train/effective_batch_size"):
+        for key in ("tokens/real", "tokens/computed", "tokens/target", "effective_batch_size"):
             assert log[key] == pytest.approx((one[key] + two[key]) / 2), key
         real, computed = one["tokens/real"] + two["tokens/real"], one["tokens/computed"] + two["tokens/computed"]
         assert log["tokens/padding_ratio"] == pytest.approx(1 - real / computed)
@@ -102,7 +102,7 @@ def test_sequence_classification_has_no_target_tokens(fake_clock) -> None:
     (log,) = logs
     assert "tokens/target" not in log
     assert log["tokens/real"] == sum(int(b["attention_mask"].sum()) for b in batches[:4])
-    assert log["train/effective_batch_size"] == 8
+    assert log["effective_batch_size"] == 8
 
 
 def test_image_classification_logs_samples_per_second(fake_clock) -> None:
@@ -110,5 +110,5 @@ def test_image_classification_logs_samples_per_second(fake_clock) -> None:
     _, _, logs, _ = _train("image_classification", num_samples=8, max_steps=1)
     (log,) = logs
     assert not any(key.startswith("tokens/") for key in log), log
-    assert log["train/effective_batch_size"] == 7 and log["train/micro_batches"] == 4
+    assert log["effective_batch_size"] == 7 and log["micro_batches"] == 4
     assert log["samples/per_second"] == pytest.approx(7 / STEP_SECONDS)

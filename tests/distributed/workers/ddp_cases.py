@@ -395,8 +395,8 @@ def case_token_stats() -> dict[str, Any]:
             "tokens/real": sum(int(b["attention_mask"].sum()) for b in step_batches),
             "tokens/computed": sum(b["input_ids"].numel() for b in step_batches),
             "tokens/target": sum(int(b["labels"][:, 1:].ne(IGNORE_INDEX).sum()) for b in step_batches),
-            "train/effective_batch_size": sum(b["input_ids"].shape[0] for b in step_batches),
-            "train/micro_batches": len(step_batches),
+            "effective_batch_size": sum(b["input_ids"].shape[0] for b in step_batches),
+            "micro_batches": len(step_batches),
         })  # fmt: skip
     logs = [{k: v for k, v in h.items() if k.startswith(("tokens/", "train/"))} for h in trainer.state.log_history
             if "loss" in h]  # fmt: skip
