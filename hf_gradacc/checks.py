@@ -78,8 +78,9 @@ class LossCheck:
         return (
             f"compute_loss returned {self.ours:.6g} ({where}), the micro-batch's mean loss ({self.model:.6g}) {factor}: "
             "it was already normalised for accumulation (for example by TRL's SFTTrainer placed before the mixin in "
-            "the bases), and hf_gradacc would weight it again. Put GradAccMixin FIRST in the bases (or use "
-            "hf_gradacc.trl's trainers), return hf_gradacc.LossTerm(total=<sum>, normalize_by=...), or set "
+            "the bases), and hf_gradacc would weight it again. Put GradAccMixin FIRST in the bases (for TRL: use "
+            "hf_gradacc.trl's GradAccSFTTrainer, GradAccDPOTrainer or GradAccRewardTrainer, which keep TRL's loss "
+            "options and metrics), return hf_gradacc.LossTerm(total=<sum>, normalize_by=...), or set "
             "`check_loss_at_start=False` if the value is meant."
         )
 
