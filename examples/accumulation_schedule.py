@@ -17,14 +17,12 @@ run_clm-style ``datasets.map`` tokenization of its own synthetic text (a byte-le
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
-import datasets
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
-from hf_gradacc.testing.tiny import VOCAB_SIZE, PaddingCollator, build_tiny_model
+from hf_gradacc.testing.tiny import VOCAB_SIZE, PaddingCollator, build_tiny_model, synthetic_clm_dataset
 
 
 @dataclass
@@ -36,21 +34,6 @@ class ScriptArguments:
     prompt_fraction: float = field(default=0.3, metadata={"help": "Share of each document that is an ignored prompt."})
 
 
-def build_dataset(num_samples: int, prompt_fraction: float, seed: int, vocab_size: int) -> datasets.Dataset:
-    """Synthetic documents of mixed lengths, tokenized with `datasets.map` the way run_clm does."""
-    rng = random.Random(seed)
-    words = ["grad", "acc", "exact", "token", "step", "batch", "ramp", "warm", "loss", "sum"]
-    texts = [" ".join(rng.choice(words) for _ in range(int(rng.lognormvariate(2.3, 0.8)) + 2)) for _ in range(num_samples)]
-    raw = datasets.Dataset.from_dict({"text": texts})
-
-    def tokenize(example):
-        ids = [2 + (b % (vocab_size - 2)) for b in example["text"].encode()]
-        prompt = int(len(ids) * prompt_fraction)
-        return {"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]}
-
-    return raw.map(tokenize, remove_columns=["text"])
-
-
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     parser = HfArgumentParser((ScriptArguments, GradAccConfig))
     script_args, args = parser.parse_args_into_dataclasses(args=argv)
@@ -59,7 +42,9 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     else:
         model = AutoModelForCausalLM.from_pretrained(script_args.model_name_or_path)
         vocab_size = model.config.vocab_size
-    train_dataset = build_dataset(script_args.num_samples, script_args.prompt_fraction, args.seed, vocab_size)
+    train_dataset = synthetic_clm_dataset(  # swap in load_dataset(...) and your tokenizer
+        script_args.num_samples, prompt_fraction=script_args.prompt_fraction, seed=args.seed, vocab_size=vocab_size, mean_log_words=2.3
+    )
     trainer = GradAccTrainer(
         model=model, args=args, train_dataset=train_dataset, data_collator=PaddingCollator(), callbacks=callbacks
     )

@@ -13,15 +13,13 @@ it offline); swap in your dataset and tokenizer. Every GradAccConfig field is a 
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
-import datasets
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
-from hf_gradacc.testing.tiny import VOCAB_SIZE, PaddingCollator, build_tiny_model
+from hf_gradacc.testing.tiny import VOCAB_SIZE, PaddingCollator, build_tiny_model, synthetic_clm_dataset
 
 
 @dataclass
@@ -55,21 +53,6 @@ class CountingTrainer(GradAccTrainer):
         return batches, num_items
 
 
-def build_dataset(num_samples: int, prompt_fraction: float, seed: int, vocab_size: int) -> datasets.Dataset:
-    """Long-tailed synthetic documents, tokenized with `datasets.map` the way run_clm does (ids below vocab_size)."""
-    rng = random.Random(seed)
-    words = ["grad", "acc", "exact", "token", "step", "batch", "row", "pack", "loss", "sum"]
-    texts = [" ".join(rng.choice(words) for _ in range(int(rng.lognormvariate(2.5, 0.9)) + 2)) for _ in range(num_samples)]
-    raw = datasets.Dataset.from_dict({"text": texts})
-
-    def tokenize(example):
-        ids = [2 + (b % (vocab_size - 2)) for b in example["text"].encode()]
-        prompt = int(len(ids) * prompt_fraction)
-        return {"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]}
-
-    return raw.map(tokenize, remove_columns=["text"])
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = HfArgumentParser((ScriptArguments, GradAccConfig))
     script_args, args = parser.parse_args_into_dataclasses(args=argv)
@@ -78,7 +61,9 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model = AutoModelForCausalLM.from_pretrained(script_args.model_name_or_path)
         vocab_size = model.config.vocab_size
-    train_dataset = build_dataset(script_args.num_samples, script_args.prompt_fraction, args.seed, vocab_size)
+    train_dataset = synthetic_clm_dataset(  # swap in load_dataset(...) and your tokenizer
+        script_args.num_samples, prompt_fraction=script_args.prompt_fraction, seed=args.seed, vocab_size=vocab_size
+    )
     trainer = CountingTrainer(model=model, args=args, train_dataset=train_dataset, data_collator=PaddingCollator())
     trainer.counter = TokenCounter()
     result = trainer.train()

@@ -202,6 +202,38 @@ def build_tiny_moe(
     raise GradAccConfigError(f"`family` ({family!r}) must be one of {MOE_FAMILIES}")
 
 
+def synthetic_clm_dataset(
+    num_samples: int, *, prompt_fraction: float = 0.3, seed: int = 0, vocab_size: int = VOCAB_SIZE, mean_log_words: float = 2.5
+) -> Any:
+    """Long-tailed synthetic documents as a `datasets.Dataset`, tokenized with `datasets.map` the way run_clm does:
+    a byte-level "tokenizer" (ids from 2 to ``vocab_size - 1``, offline), the first ``prompt_fraction`` of each
+    document labelled -100. The examples train on it; swap in ``load_dataset(...)`` and your tokenizer.
+
+    Example:
+        ```python
+        train_dataset = synthetic_clm_dataset(96, prompt_fraction=0.3, seed=42)
+        assert set(train_dataset.column_names) == {"input_ids", "labels"}
+        ```
+    """
+    import random
+
+    import datasets
+
+    rng = random.Random(seed)
+    words = ["grad", "acc", "exact", "token", "step", "batch", "row", "pack", "loss", "sum", "ramp", "warm"]
+    texts = [
+        " ".join(rng.choice(words) for _ in range(int(rng.lognormvariate(mean_log_words, 0.9)) + 2))
+        for _ in range(num_samples)
+    ]
+
+    def tokenize(example: dict[str, Any]) -> dict[str, list[int]]:
+        ids = [2 + (b % (vocab_size - 2)) for b in example["text"].encode()]
+        prompt = int(len(ids) * prompt_fraction)
+        return {"input_ids": ids, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]}
+
+    return datasets.Dataset.from_dict({"text": texts}).map(tokenize, remove_columns=["text"])
+
+
 def make_samples(
     task: str = "causal_lm",
     num_samples: int = 32,

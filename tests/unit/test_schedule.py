@@ -256,9 +256,9 @@ def test_the_example_follows_its_schedule_exactly(tmp_path) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
-    from hf_gradacc.testing.tiny import VOCAB_SIZE
+    from hf_gradacc.testing.tiny import synthetic_clm_dataset
 
-    dataset = module.build_dataset(40, 0.3, 42, VOCAB_SIZE)  # what the script builds (--seed 42, its default)
+    dataset = synthetic_clm_dataset(40, seed=42, mean_log_words=2.3)  # what the script builds (--seed 42, its default)
     samples = [dict(row) for row in dataset]
     recorder = StepRecorder(samples)
     summary = module.main(
