@@ -11,11 +11,21 @@ preparation, collators, reference model and logged metrics; only the normalisati
   by the micro-batch's share of the step's pairs (``LossTerm(mean x rows, "samples")``; a preference batch holds two
   rows per pair, chosen then rejected, in every micro-batch alike). The loss of the step is the mean over ALL its pairs,
   not the mean of micro-batch means.
-- A mixture-of-experts model's router load-balancing term (SFT, DPO) is taken out of TRL's loss and kept as its own
-  term weighted by the micro-batch's routed tokens (:mod:`hf_gradacc.auxiliary`), logged as ``loss/aux``.
+- ``GradAccGRPOTrainer``: completions are generated, scored and sliced when the step's micro-batches are fetched
+  (TRL's ``_prepare_inputs``, in order), so the step's completion tokens and sequences are counted over every rank
+  before the first forward pass; TRL's normaliser of each ``loss_type`` is undone and the micro-batch's sum is divided
+  by the step's tokens (``dapo``, ``bnpo``, ``cispo``, ``vespo``) or sequences (``grpo``, ``dr_grpo``, ``sapo``,
+  ``luspo``), whatever ``steps_per_generation`` and ``num_iterations``; the entropy bonus is its own term by tokens.
+- A mixture-of-experts model's router load-balancing term (SFT, DPO, GRPO) is taken out of TRL's loss and kept as its
+  own term weighted by the micro-batch's routed tokens (:mod:`hf_gradacc.auxiliary`), logged as ``loss/aux``.
 
 DPO's ``loss_type="sft"`` (a token mean per micro-batch in TRL) is kept apart, normalised by the step's chosen
 completion tokens; ``"aot"`` / ``"aot_unpaired"`` (which sort the pairs of a micro-batch) are refused with accumulation.
+
+``regroup_micro_batches`` / ``max_tokens_per_micro_batch`` / ``pack_micro_batches``: ``GradAccSFTTrainer`` plans from
+TRL's tokenized rows and collates each packed row with TRL's own collator in its padding-free mode (TRL's labels, its
+``seq_lengths``); DPO and reward models regroup whole pairs, each counted as its two padded rows (one process), and
+refuse packing (a preference batch is chosen rows then rejected rows, never one row).
 
 TRL gathers its metrics across ranks INSIDE ``compute_loss``, once per micro-batch (``entropy``,
 ``mean_token_accuracy``, rewards, ...): every rank must run the same micro-batches, row for row. The modes in which ranks
@@ -29,6 +39,8 @@ different numbers of micro-batches stops every rank before TRL's first gather. S
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +48,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .config import GradAccArguments
+from .config import GradAccArguments, resolve_settings
+from .data.loader import build_train_dataloader, check_train_dataset
 from .errors import GradAccConfigError, GradAccDataError, GradAccError
 from .loss import LossTerm
 from .mixin import GradAccMixin
@@ -47,7 +60,8 @@ class TRLDependencyError(GradAccError, ImportError):
 
 
 try:
-    from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 except ImportError as _error:  # pragma: no cover - exercised with trl hidden from sys.modules
     raise TRLDependencyError(
         f"hf_gradacc.trl needs TRL's trainers, which could not be imported ({_error}). Install the extra: "
@@ -57,6 +71,8 @@ except ImportError as _error:  # pragma: no cover - exercised with trl hidden fr
 __all__ = [
     "GradAccDPOConfig",
     "GradAccDPOTrainer",
+    "GradAccGRPOConfig",
+    "GradAccGRPOTrainer",
     "GradAccRewardConfig",
     "GradAccRewardTrainer",
     "GradAccSFTConfig",
@@ -155,6 +171,73 @@ def _refuse_uneven_micro_batches(trainer: GradAccMixin, *, rows_gathered: bool) 
         )
 
 
+def _planned_train_dataloader(trainer: GradAccMixin, **planning: Any) -> Any:
+    """The regrouping / packing training dataloader built with the trainer's own ``planning`` inputs (see
+    :func:`~hf_gradacc.data.loader.build_train_dataloader`), or None where the mixin's stock path applies."""
+    if not trainer.gradacc.regroups:
+        return None
+    check_train_dataset(trainer.train_dataset)
+    return build_train_dataloader(trainer, trainer.gradacc, **planning)
+
+
+def _refuse_packed_pairs(name: str, args: Any, gradacc_args: Any) -> None:
+    """Preference batches cannot be packed; refused before TRL builds anything (a reward model would otherwise fail
+    the causal-LM check of packing first, without the reason that matters here)."""
+    if args is not None and not isinstance(args, GradAccArguments):
+        args = None  # TRL's own config: the knobs come from `gradacc_args` only
+    if resolve_settings(args, gradacc_args).pack_micro_batches:
+        raise GradAccConfigError(
+            f"`pack_micro_batches=True` is not supported by {name}: a preference micro-batch is its pairs' chosen "
+            "rows followed by their rejected rows, which TRL's loss splits in halves and compares row by row, and a "
+            "packed micro-batch is ONE row of concatenated samples. Turn `pack_micro_batches` off; "
+            "`regroup_micro_batches` / `max_tokens_per_micro_batch` keep every pair whole (one process)."
+        )
+
+
+def _column(dataset: Any, name: str, trainer_name: str) -> list[Any]:
+    """One column of a map-style training dataset (a `datasets.Dataset` or any dataset of dicts)."""
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, list):
+        if name in columns:
+            return list(dataset[name])
+    else:
+        samples = [dataset[i] for i in range(len(dataset))]
+        if all(isinstance(s, Mapping) and name in s for s in samples):
+            return [s[name] for s in samples]
+    raise GradAccConfigError(
+        f"`regroup_micro_batches` / `max_tokens_per_micro_batch` with {trainer_name} plan micro-batches from each "
+        f"pair's tokenized lengths, but the training dataset has no `{name}` column (TRL writes it when it tokenizes "
+        "the dataset; vision datasets are tokenized per batch). Turn regrouping off."
+    )
+
+
+def _pair_lengths(trainer: GradAccMixin, dataset: Any, *, prompt: str | None, max_length: int | None) -> list[int]:
+    """The padded footprint of every preference pair for the planner: TRL pads the chosen AND rejected rows of a
+    micro-batch to its longest sequence, so a micro-batch of P pairs computes ``2 P x longest`` token positions. Each
+    pair counts as ``2 x`` its longer sequence (``prompt`` ids + completion ids, cut at ``max_length``), so the
+    planner's rows x longest row is exactly the micro-batch's padded tokens, and ``max_tokens_per_micro_batch`` caps
+    what the forward pass computes."""
+    name = type(trainer).__name__
+    prompts = _column(dataset, prompt, name) if prompt else None
+    chosen, rejected = _column(dataset, "chosen_ids", name), _column(dataset, "rejected_ids", name)
+    lengths = []
+    for index, (c, r) in enumerate(zip(chosen, rejected, strict=True)):
+        extra = len(prompts[index]) if prompts is not None else 0
+        longest = max(extra + len(c), extra + len(r))
+        lengths.append(2 * (longest if max_length is None else min(longest, max_length)))
+    budget = trainer.gradacc.max_tokens_per_micro_batch
+    if budget is not None and lengths:
+        widest = max(range(len(lengths)), key=lambda i: (lengths[i], -i))
+        if lengths[widest] > budget:
+            raise GradAccConfigError(
+                f"Preference pair {widest} needs {lengths[widest]} padded tokens in any micro-batch (its chosen and "
+                f"rejected rows, {lengths[widest] // 2} tokens each), more than `max_tokens_per_micro_batch` "
+                f"({budget}). Raise `max_tokens_per_micro_batch` to at least {lengths[widest]} or shorten the data "
+                "(`max_length`)."
+            )
+    return lengths
+
+
 class _ForwardRecorder:
     """Stands for the model inside TRL's ``compute_loss`` and keeps the outputs of the first forward pass that uses
     the fused LM head (the policy's), for the router term. Everything else is the model's."""
@@ -242,6 +325,26 @@ class GradAccSFTTrainer(GradAccMixin, SFTTrainer):
         _check_args_class(kwargs.get("args", args[1] if len(args) > 1 else None), SFTConfig, GradAccSFTConfig)
         super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
         _refuse_uneven_micro_batches(self, rows_gathered=False)
+        if self.gradacc.pack_micro_batches and self._is_vision_dataset:
+            raise GradAccConfigError(
+                "`pack_micro_batches=True` is not supported for a vision dataset: TRL's vision collator turns images "
+                "and text into padded batches itself (TRL refuses its own `packing` and `padding_free` for them), so "
+                "there are no token rows to pack. Turn `pack_micro_batches` off."
+            )
+
+    def get_train_dataloader(self):
+        """With ``pack_micro_batches``, every packed micro-batch is collated by TRL's own collator in its padding-free
+        mode: the row TRL's ``padding_free=True`` builds (labels as TRL's dataset preparation made them, completion-
+        and assistant-only masks included; the first label of every sequence masked; positions restarting per
+        sequence, per packed document with ``packing=True``; ``pad_to_multiple_of`` honoured). The planner reads the
+        lengths of TRL's tokenized ``input_ids``."""
+        collator = self.data_collator
+        if self.gradacc.pack_micro_batches and isinstance(collator, DataCollatorForLanguageModeling):
+            padding_free = dataclasses.replace(collator, padding_free=True)
+            dataloader = _planned_train_dataloader(self, packing_collator=padding_free)
+            if dataloader is not None:
+                return dataloader
+        return super().get_train_dataloader()
 
     def training_step_context(self) -> contextlib.AbstractContextManager:
         """TRL's activation offloading (``activation_offloading=True``) around each micro-batch's forward and backward."""
@@ -314,7 +417,9 @@ class GradAccDPOTrainer(GradAccMixin, DPOTrainer):
     """
 
     def __init__(self, *args: Any, gradacc_args: Any = None, **kwargs: Any) -> None:
-        _check_args_class(kwargs.get("args", args[2] if len(args) > 2 else None), DPOConfig, GradAccDPOConfig)
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        _check_args_class(config, DPOConfig, GradAccDPOConfig)
+        _refuse_packed_pairs(type(self).__name__, config, gradacc_args)
         super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
         _refuse_uneven_micro_batches(self, rows_gathered=True)
         batch_level = sorted(set(self.loss_types) & _BATCH_LEVEL_DPO_LOSSES)
@@ -338,6 +443,18 @@ class GradAccDPOTrainer(GradAccMixin, DPOTrainer):
                 "step. "
                 'Turn `use_weighting` off, or drop "sft" from `loss_type`.'
             )
+
+    def get_train_dataloader(self):
+        """With regrouping (one process), the planner reads each pair's padded footprint: twice its longer sequence
+        (``prompt_ids`` + ``chosen_ids`` or ``rejected_ids``, cut at ``max_length``), as TRL's collator pads both
+        rows of the pair."""
+        dataloader = _planned_train_dataloader(
+            self,
+            lengths_of=lambda dataset: _pair_lengths(
+                self, dataset, prompt="prompt_ids", max_length=self.args.max_length
+            ),
+        )
+        return dataloader if dataloader is not None else super().get_train_dataloader()
 
     def training_step_context(self) -> contextlib.AbstractContextManager:
         """TRL's activation offloading (``activation_offloading=True``) around each micro-batch's forward and backward."""
@@ -418,9 +535,19 @@ class GradAccRewardTrainer(GradAccMixin, RewardTrainer):
     """
 
     def __init__(self, *args: Any, gradacc_args: Any = None, **kwargs: Any) -> None:
-        _check_args_class(kwargs.get("args", args[1] if len(args) > 1 else None), RewardConfig, GradAccRewardConfig)
+        config = kwargs.get("args", args[1] if len(args) > 1 else None)
+        _check_args_class(config, RewardConfig, GradAccRewardConfig)
+        _refuse_packed_pairs(type(self).__name__, config, gradacc_args)
         super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
         _refuse_uneven_micro_batches(self, rows_gathered=True)
+
+    def get_train_dataloader(self):
+        """With regrouping (one process), the planner reads each pair's padded footprint: twice the longer of its
+        ``chosen_ids`` and ``rejected_ids``, as TRL's collator pads both rows."""
+        dataloader = _planned_train_dataloader(
+            self, lengths_of=lambda dataset: _pair_lengths(self, dataset, prompt=None, max_length=None)
+        )
+        return dataloader if dataloader is not None else super().get_train_dataloader()
 
     def training_step_context(self) -> contextlib.AbstractContextManager:
         """TRL's activation offloading (``activation_offloading=True``) around each micro-batch's forward and backward."""
@@ -436,3 +563,243 @@ class GradAccRewardTrainer(GradAccMixin, RewardTrainer):
         # A preference batch is [chosen; rejected]: counted rows are twice the pairs in every micro-batch alike.
         pairs = LossTerm(total=loss * window.current_counts.num_samples, normalize_by="samples")
         return _with_outputs(pairs, return_outputs, outputs)
+
+
+# ---------------------------------------------------------------------------------------------- GRPO
+# What each TRL `loss_type` is a mean over, in the full-batch step: the step's completion tokens, or its sequences
+# (`dr_grpo`: its sequences times `max_completion_length`, a constant folded into the micro-batch's sum).
+_GRPO_DENOMINATORS: dict[str, str] = {
+    "dapo": "tokens",
+    "bnpo": "tokens",
+    "cispo": "tokens",
+    "vespo": "tokens",
+    "grpo": "samples",
+    "dr_grpo": "samples",
+    "sapo": "samples",
+    "luspo": "samples",
+}
+# The loss types TRL divides by the generation batch's completion tokens rescaled to one step (N / W x GA /
+# steps_per_generation: the step's count only when a generation batch is exactly one step); the others divide by the
+# micro-batch's own tokens or rows, and by GA.
+_GRPO_GENERATION_NORMALISED = frozenset({"dapo", "cispo", "vespo"})
+
+
+@dataclass
+class GradAccGRPOConfig(GradAccArguments, GRPOConfig):
+    """TRL's `GRPOConfig` plus the :class:`~hf_gradacc.GradAccArguments` fields, for :class:`GradAccGRPOTrainer`;
+    every field is a flag with `HfArgumentParser`.
+
+    Example:
+        ```python
+        from hf_gradacc.trl import GradAccGRPOConfig
+
+        args = GradAccGRPOConfig(output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=4,
+                                 num_generations=4, steps_per_generation=8, loss_type="dapo")
+        ```
+    """
+
+
+class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
+    """TRL's `GRPOTrainer` whose optimizer step over N micro-batches on W ranks equals one full-batch step over the
+    same completions: each ``loss_type`` is a mean over ALL the step's completion tokens (``dapo``, ``bnpo``,
+    ``cispo``, ``vespo``) or sequences (``grpo``, ``dr_grpo``, ``sapo``, ``luspo``), whatever
+    ``steps_per_generation`` (below, equal to or above ``gradient_accumulation_steps``) and ``num_iterations``.
+
+    The step's micro-batches are generated, scored and sliced by TRL's own ``_prepare_inputs`` when they are fetched,
+    in order, before the first forward pass (the policy has not moved yet within a step, so the completions are the
+    ones stock TRL would generate), so that the window counts their completion tokens and sequences over every rank in
+    its one collective. ``compute_loss`` runs TRL's loss and undoes TRL's normaliser: the entropy bonus
+    (``entropy_coef``, adaptive or not) becomes its own term over the step's completion tokens, and a
+    mixture-of-experts router term one weighted by routed tokens. Generation (transformers or vLLM), reward functions,
+    advantages, the KL term, clipping, importance sampling and TRL's logged metrics are TRL's.
+
+    Refused, with the field to change: ``top_entropy_quantile < 1`` with accumulation or with an entropy bonus (TRL's
+    entropy threshold is a quantile over ONE micro-batch's tokens), regrouping and packing (GRPO's dataloader yields
+    prompts, not sequences), ``accumulation_schedule`` (TRL's generation cadence assumes a fixed number of
+    micro-batches per step), ``auto_micro_batch`` and ``defer_normalization``, and loss types this version does not
+    know.
+
+    Example:
+        ```python
+        from hf_gradacc.trl import GradAccGRPOConfig, GradAccGRPOTrainer
+
+        def reward_len(completions, **kwargs):
+            return [-abs(20 - len(c)) for c in completions]
+
+        args = GradAccGRPOConfig(output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=4,
+                                 num_generations=4, loss_type="bnpo")
+        trainer = GradAccGRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=prompts,
+                                     processing_class=tokenizer)
+        trainer.train()
+        ```
+    """
+
+    def __init__(self, *args: Any, gradacc_args: Any = None, **kwargs: Any) -> None:
+        _check_args_class(kwargs.get("args", args[2] if len(args) > 2 else None), GRPOConfig, GradAccGRPOConfig)
+        super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
+        _refuse_grpo_settings(self)
+        _refuse_uneven_micro_batches(self, rows_gathered=True)
+
+    # ------------------------------------------------------------------ fetch: generate before counting
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The step's micro-batches, each generated, scored and sliced by TRL's ``_prepare_inputs`` in order (TRL
+        generates once every ``steps_per_generation x num_iterations`` micro-batches and serves slices of its buffer in
+        between), with ``labels`` marking the completion tokens of the loss (``completion_mask x tool_mask``) and the
+        ``attention_mask`` of the forward pass, so that the window counts them."""
+        generation_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        _agree_on_micro_batches(self, len(generation_batches))
+        self.model.train()  # TRL keys generation, its buffer and its metrics on `model.training`
+        start = time.perf_counter()
+        batches = []
+        for generation_batch in generation_batches:
+            inputs = GRPOTrainer._prepare_inputs(self, generation_batch)
+            self._step += 1  # TRL advances its micro-batch counter in its training_step, which the mixin replaces
+            batches.append(_with_completion_labels(inputs, ignore_index=self.head.ignore_index))
+        self._current_train_step_time += time.perf_counter() - start
+        return batches, None
+
+    def _prepare_inputs(self, inputs):
+        """In a training step the micro-batch was prepared when the step was fetched: returned as it is. Elsewhere
+        (evaluation) TRL's: generate and score the batch."""
+        window = self.current_window
+        if window is not None and window.index is not None:
+            return inputs
+        return super()._prepare_inputs(inputs)
+
+    def training_step_context(self) -> contextlib.AbstractContextManager:
+        """Times each micro-batch for TRL's ``step_time`` metric (generation included), logged once per step."""
+        return self._timed_micro_batch()
+
+    @contextlib.contextmanager
+    def _timed_micro_batch(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._current_train_step_time += time.perf_counter() - start
+            if self.is_last_micro_batch:
+                self._metrics["train"]["step_time"].append(self._current_train_step_time)
+                self._current_train_step_time = 0.0
+
+    # ------------------------------------------------------------------ the loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss of the micro-batch with TRL's normaliser undone: ``LossTerm(token sum, "tokens")`` or
+        ``LossTerm(sum of per-sequence values, "samples")`` by ``loss_type``; the entropy bonus and the router term
+        apart (``{"policy": ..., "entropy": ..., "aux": ...}``). Outside training: TRL's loss, unchanged."""
+        window = _training_window(self)
+        if window is None:
+            return GRPOTrainer.compute_loss(
+                self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        entropy_coef = self._entropy_coef_in_use()  # before TRL's adaptive controller moves it at the step's end
+        needs_outputs = self._entropy_bonus_enabled or self.aux_loss_enabled
+        recorder = _ForwardRecorder(model) if needs_outputs else None
+        loss = GRPOTrainer.compute_loss(self, recorder or model, inputs, return_outputs=return_outputs)
+        steps = self.current_gradient_accumulation_steps
+        mask = _grpo_loss_mask(inputs)
+        terms: dict[str, LossTerm] = {}
+        if self._entropy_bonus_enabled:
+            entropies = recorder.outputs.entropy[:, -mask.size(1) :]
+            entropy_sum = (entropies * mask).sum()
+            # TRL subtracted coef x the micro-batch's token mean / GA: put it back, keep coef x the sum apart.
+            loss = loss + entropy_coef * entropy_sum / max(int(mask.sum()), 1) / steps
+            terms["entropy"] = LossTerm(total=-entropy_coef * entropy_sum, normalize_by="tokens")
+        router = _router_term(self, recorder, window)
+        if router is not None:
+            loss = loss - router[0] / steps  # TRL adds coef x aux / GA; kept apart, by routed tokens
+            terms["aux"] = router[1]
+        policy = LossTerm(
+            total=loss * self._trl_normaliser(inputs, mask, steps), normalize_by=_GRPO_DENOMINATORS[self.loss_type]
+        )
+        return {"policy": policy, **terms} if terms else policy
+
+    def _trl_normaliser(self, inputs: Mapping[str, Any], mask: torch.Tensor, steps: int) -> float:
+        """What TRL's ``_compute_loss`` divided the micro-batch's sum by (training mode), so that the loss times it is
+        the sum: the sum of per-token values (``dapo``, ``cispo``, ``vespo``, ``bnpo``), of per-sequence token means
+        (``grpo``, ``sapo``), of per-sequence sums (``luspo``), or the token sum over ``max_completion_length``
+        (``dr_grpo``)."""
+        if self.loss_type in _GRPO_GENERATION_NORMALISED:
+            # the generation batch's tokens over every process, rescaled to one step: N / W x GA / steps_per_generation
+            generated = float(inputs["num_items_in_batch"].clamp(min=1.0))
+            return generated / self.accelerator.num_processes * steps / self.args.steps_per_generation
+        if self.loss_type == "bnpo":
+            return float(steps * max(int(mask.sum()), 1))
+        return float(steps * inputs["completion_ids"].size(0))
+
+    def _entropy_coef_in_use(self) -> float:
+        """The entropy coefficient TRL applies to every micro-batch of this step (adaptive: 0 until the last step's
+        entropy fell to ``entropy_target``)."""
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            return 0.0
+        return float(self.entropy_coef)
+
+
+def _refuse_grpo_settings(trainer: Any) -> None:
+    """The GRPO settings no split of the step into sums can reproduce, or that would replace TRL's dataloader."""
+    args, settings, name = trainer.args, trainer.gradacc, type(trainer).__name__
+    if trainer.loss_type not in _GRPO_DENOMINATORS:
+        raise GradAccConfigError(
+            f"`loss_type` {trainer.loss_type!r} is not one {name} knows how TRL normalises; it cannot make it exact. "
+            f"Use one of {sorted(_GRPO_DENOMINATORS)}."
+        )
+    quantile = trainer.top_entropy_quantile
+    if quantile < 1.0 and trainer._entropy_bonus_enabled:
+        raise GradAccConfigError(
+            f"`top_entropy_quantile` ({quantile}) < 1 with an entropy bonus (`entropy_coef` / `use_adaptive_entropy`): "
+            "TRL's bonus is then a mean over the tokens above a quantile of each micro-batch's entropies, a count "
+            f"{name} cannot gather over the step. Set `top_entropy_quantile=1.0`, or turn the entropy bonus off."
+        )
+    if quantile < 1.0 and args.gradient_accumulation_steps > 1:
+        raise GradAccConfigError(
+            f"`top_entropy_quantile` ({quantile}) < 1 keeps the tokens above a quantile of ONE micro-batch's "
+            "entropies, so the step depends on how its completions are grouped (gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps}). Set `top_entropy_quantile=1.0`, or `gradient_accumulation_steps=1` "
+            "(the quantile is then over the step's tokens, gathered over processes)."
+        )
+    if settings.regroups:
+        raise GradAccConfigError(
+            f"`regroup_micro_batches` / `max_tokens_per_micro_batch` / `pack_micro_batches` is not supported by {name}: "
+            "GRPO's dataloader yields generation batches of prompts (TRL's RepeatSampler), whose completions exist "
+            "only after generation. Turn them off."
+        )
+    if settings.accumulation_schedule is not None:
+        raise GradAccConfigError(
+            f"`accumulation_schedule` is not supported by {name}: TRL's generation cadence and its choice to keep the "
+            "generation-time log-probabilities follow the fixed `gradient_accumulation_steps`. Remove "
+            "`accumulation_schedule`."
+        )
+
+
+def _agree_on_micro_batches(trainer: Any, num_local: int) -> None:
+    """Every process must prepare as many micro-batches as the others: TRL's generation gathers rewards and lengths
+    across processes. One small collective BEFORE generating, so that a process with fewer batches (an
+    IterableDataset that runs out sooner) stops every process instead of leaving one waiting in TRL's gather."""
+    if trainer.accelerator.num_processes == 1:
+        return
+    local = torch.tensor([num_local], dtype=torch.int64, device=trainer.args.device)
+    per_rank = [int(n) for n in trainer.backend.all_gather(local).reshape(-1).tolist()]
+    if len(set(per_rank)) > 1:
+        raise GradAccDataError(
+            f"The processes hold different numbers of micro-batches in this optimizer step ({per_rank}). "
+            f"{type(trainer).__name__} generates each micro-batch's completions with TRL, which gathers rewards across "
+            "processes, so a process with more would wait forever. Use a map-style dataset (accelerate gives every "
+            "process the same number of batches) or an IterableDataset that yields as many batches on every process."
+        )
+
+
+def _grpo_loss_mask(inputs: Mapping[str, Any]) -> torch.Tensor:
+    """The completion tokens TRL's loss sums over: ``completion_mask``, times ``tool_mask`` when tools ran."""
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+
+
+def _with_completion_labels(inputs: Mapping[str, Any], *, ignore_index: int) -> dict[str, Any]:
+    """``inputs`` plus ``labels``: a leading ignored column (dropped by the causal count's shift), then the completion
+    ids where the loss mask is 1 and ``ignore_index`` elsewhere, so the window's count is exactly the loss mask's; plus
+    the forward pass's ``attention_mask`` (prompt then completion), the routed tokens of a router term. TRL's loss
+    reads neither key."""
+    completion_ids = inputs["completion_ids"]
+    targets = completion_ids.masked_fill(_grpo_loss_mask(inputs) == 0, ignore_index)
+    first = torch.full_like(targets[:, :1], ignore_index)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    return {**inputs, "labels": torch.cat([first, targets], dim=1), "attention_mask": attention_mask}

@@ -45,11 +45,24 @@ def window_schedule(dataloader: Any, epoch: int) -> tuple[int, ...] | None:
     return sampler.num_micro_batches_per_window
 
 
-def build_train_dataloader(trainer: Trainer, settings: GradAccSettings) -> DataLoader | None:
+def build_train_dataloader(
+    trainer: Trainer,
+    settings: GradAccSettings,
+    *,
+    lengths_of: Callable[[Any], list[int]] | None = None,
+    packing_collator: Callable | None = None,
+) -> DataLoader | None:
     """The training dataloader of ``trainer`` with regrouped micro-batches, or None when the stock one applies.
 
     Mirrors `Trainer._get_dataloader` (collator with removed columns, workers, pinning, worker seeding) and passes
     the result through ``accelerator.prepare``, which shards it over ranks and seeds the base sampler.
+
+    Trainers whose samples are not one sequence each, or whose collator already knows how to build a padding-free
+    row, say so here (:mod:`hf_gradacc.trl` does): ``lengths_of(dataset)`` gives the length the planner uses for
+    every sample of the training dataset (default :func:`~hf_gradacc.data.regroup.sample_lengths`: a length
+    column, or ``len(input_ids)``), and ``packing_collator`` builds ONE padding-free row from the samples of a
+    micro-batch with ``pack_micro_batches`` (default :class:`~hf_gradacc.data.pack.PackedCollator`, which replaces
+    the trainer's collator with a warning).
     """
     args = trainer.args
     if not settings.regroups or trainer.train_dataset is None:
@@ -77,10 +90,13 @@ def build_train_dataloader(trainer: Trainer, settings: GradAccSettings) -> DataL
         )
         return None
 
-    model_input_names = getattr(trainer.processing_class, "model_input_names", None) or ["input_ids"]
-    lengths = sample_lengths(
-        dataset, length_column_name=args.length_column_name, model_input_name=model_input_names[0]
-    )
+    if lengths_of is not None:
+        lengths = lengths_of(dataset)
+    else:
+        model_input_names = getattr(trainer.processing_class, "model_input_names", None) or ["input_ids"]
+        lengths = sample_lengths(
+            dataset, length_column_name=args.length_column_name, model_input_name=model_input_names[0]
+        )
     collator = trainer.data_collator
     try:
         import datasets
@@ -108,7 +124,7 @@ def build_train_dataloader(trainer: Trainer, settings: GradAccSettings) -> DataL
 
     sampler_class = WindowPackBatchSampler if settings.pack_micro_batches else WindowRegroupBatchSampler
     if settings.pack_micro_batches:
-        collator = _packing_collator(trainer, settings, collator, is_hf_dataset)
+        collator = _packing_collator(trainer, settings, is_hf_dataset, packing_collator)
     batch_sampler = sampler_class(
         base_sampler,
         lengths,
@@ -139,11 +155,16 @@ def build_train_dataloader(trainer: Trainer, settings: GradAccSettings) -> DataL
     return dataloader
 
 
-def _packing_collator(trainer: Trainer, settings: GradAccSettings, collator: Any, is_hf_dataset: bool) -> Callable:
-    """:class:`~hf_gradacc.data.pack.PackedCollator` (behind the Trainer's unused-column removal), with a warning when
-    it replaces a collator of the user's: its padding has nothing left to do, but any other work it did is skipped."""
+def _packing_collator(
+    trainer: Trainer, settings: GradAccSettings, is_hf_dataset: bool, packed: Callable | None = None
+) -> Callable:
+    """``packed`` (the trainer's own padding-free collator) or :class:`~hf_gradacc.data.pack.PackedCollator`, behind
+    the Trainer's unused-column removal; PackedCollator comes with a warning when it replaces a collator of the
+    user's: its padding has nothing left to do, but any other work it did is skipped."""
     from transformers import DataCollatorWithFlattening, DataCollatorWithPadding, default_data_collator
 
+    if packed is not None:
+        return packed if is_hf_dataset else trainer._get_collator_with_removed_columns(packed, description="Training")
     user = trainer.data_collator
     pads_only = isinstance(user, (PackedCollator, DataCollatorWithFlattening, DataCollatorWithPadding)) or getattr(
         user, "only_pads", False  # a collator that declares it does nothing but pad (hf_gradacc's PaddingCollator)

@@ -100,6 +100,58 @@ def sft_rows(num_samples: int = 7, seed: int = 0, *, vocab_size: int = VOCAB_SIZ
     return rows
 
 
+def sft_text_dataset(rows: Sequence[dict[str, list[int]]]) -> tuple[Any, list[dict[str, list[int]]]]:
+    """``rows`` (:func:`sft_rows`) as the prompt-completion TEXT dataset that TRL's SFTTrainer tokenizes itself, and
+    the rows TRL will train on: TRL appends the end-of-sequence token to every completion, so each reference row gets
+    ``EOS_TOKEN_ID`` as one more completion token."""
+    from datasets import Dataset
+
+    def text(ids: Sequence[int]) -> str:
+        return " ".join(word(i) for i in ids)
+
+    texts, trained = [], []
+    for row in rows:
+        prompt = row["completion_mask"].index(1)
+        texts.append({"prompt": text(row["input_ids"][:prompt]), "completion": " " + text(row["input_ids"][prompt:])})
+        trained.append(
+            {"input_ids": [*row["input_ids"], EOS_TOKEN_ID], "completion_mask": [*row["completion_mask"], 1]}
+        )
+    return Dataset.from_list(texts), trained
+
+
+# A chat template for :func:`word_tokenizer` with `{% generation %}` markers around each assistant turn and its end of
+# sequence token (what TRL's `assistant_only_loss=True` reads); words are separated by single spaces.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} </s>"
+    "{% endgeneration %} {% else %}{{ m['content'] }} {% endif %}{% endfor %}"
+)
+
+
+def chat_conversations(
+    num_samples: int = 7, seed: int = 4, *, vocab_size: int = VOCAB_SIZE
+) -> tuple[Any, list[dict[str, list[int]]]]:
+    """Conversations of one or two user / assistant turns (``messages``, for :data:`CHAT_TEMPLATE`), and the rows
+    TRL's ``assistant_only_loss=True`` trains on, written out here: every token, with ``completion_mask`` 1 on the
+    assistant turns and their end-of-sequence token."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    conversations, trained = [], []
+    for _ in range(num_samples):
+        messages, ids, mask = [], [], []
+        for _turn in range(rng.randint(1, 2)):
+            user, assistant = _ids(rng, rng.randint(1, 6), vocab_size), _ids(rng, rng.randint(1, 4), vocab_size)
+            messages += [
+                {"role": "user", "content": " ".join(word(i) for i in user)},
+                {"role": "assistant", "content": " ".join(word(i) for i in assistant)},
+            ]
+            ids += [*user, *assistant, EOS_TOKEN_ID]
+            mask += [0] * len(user) + [1] * (len(assistant) + 1)
+        conversations.append({"messages": messages})
+        trained.append({"input_ids": ids, "completion_mask": mask})
+    return Dataset.from_list(conversations), trained
+
+
 def dpo_pairs(num_pairs: int = 7, seed: int = 1, *, vocab_size: int = VOCAB_SIZE) -> list[dict[str, list[int]]]:
     """Preference pairs as token ids: a prompt of 1-8 tokens, chosen and rejected completions of 1-6 plus eos."""
     rng = random.Random(seed)

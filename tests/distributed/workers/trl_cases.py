@@ -15,6 +15,9 @@ rank compares its update with the float64 full-batch reference over ALL 14 sampl
 traceback and the worker exits.
 
 Cases: ``sft``, ``dpo``, ``reward`` (hf_gradacc's trainers) and ``sft_stock``, ``dpo_stock``, ``reward_stock`` (TRL's).
+``sft_pack``, ``sft_budget``: GradAccSFTTrainer with ``pack_micro_batches=True`` / ``max_tokens_per_micro_batch`` over
+16 rows, one stock step of batch 2 x GA 4 on each rank (the seeded stock order, no fixed layout: hf_gradacc plans the
+micro-batches); each rank also records the token ids of every sequence it trained and the token positions it computed.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ LAYOUT = uneven_batch_sizes(BS, GA, world_size())  # 2 + 2 + 2 + 1 on every rank
 NUM_SAMPLES = sum(LAYOUT)
 BETA = 0.1
 CENTER = 0.01  # reward: center_rewards_coefficient
+# hf_gradacc plans these steps itself: one stock window of BS x GA rows per rank, each sample once.
+PLANNED = {"sft_pack": {"pack_micro_batches": True}, "sft_budget": {"max_tokens_per_micro_batch": 24}}
+PLANNED_NUM_SAMPLES = BS * GA * world_size()
 
 
 class _RowRecorder:
@@ -62,7 +68,20 @@ class _RowRecorder:
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         rows = [int(next(v for v in b.values() if torch.is_tensor(v)).shape[0]) for b in batches]
         self.micro_batch_rows = [*getattr(self, "micro_batch_rows", []), *rows]
+        self.sequences = [*getattr(self, "sequences", []), *(seq for b in batches for seq in _sequences(b))]
+        sizes = [int(b["input_ids"].numel()) for b in batches]  # token positions computed per micro-batch
+        self.micro_batch_tokens = [*getattr(self, "micro_batch_tokens", []), *sizes]
         return batches, num_items
+
+
+def _sequences(batch: dict[str, Any]) -> list[list[int]]:
+    """Token ids of every sequence of a micro-batch: padding-free rows cut at ``cu_seq_lens_q``, padded rows read
+    through the attention mask."""
+    ids = batch["input_ids"].cpu()
+    if "cu_seq_lens_q" in batch:
+        offsets = batch["cu_seq_lens_q"].tolist()
+        return [ids[0, a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
+    return [row[mask.bool()].tolist() for row, mask in zip(ids, batch["attention_mask"].cpu())]
 
 
 def _backend_args(backend: str) -> dict[str, Any]:
@@ -84,13 +103,14 @@ def run_case(case: str, backend: str, bases: dict[str, torch.nn.Module]) -> dict
     from hf_gradacc import trl as gradacc_trl
 
     kind, stock = _kind(case)
+    planned = PLANNED.get(case)
     trainer_kwargs: dict[str, Any] = {}
     if kind == "sft":
-        base, rows = bases["causal_lm"], sft_rows(NUM_SAMPLES)
+        base, rows = bases["causal_lm"], sft_rows(PLANNED_NUM_SAMPLES if planned else NUM_SAMPLES)
         from datasets import Dataset
 
         dataset, reference = Dataset.from_list(rows), sft_reference(bases["causal_lm"], rows)
-        config: dict[str, Any] = {"completion_only_loss": True, "max_length": None}
+        config: dict[str, Any] = {"completion_only_loss": True, "max_length": None, **(planned or {})}
         names = ("SFTTrainer", "SFTConfig")
     elif kind == "dpo":
         base, pairs = bases["causal_lm"], dpo_pairs(NUM_SAMPLES)
@@ -122,7 +142,9 @@ def run_case(case: str, backend: str, bases: dict[str, torch.nn.Module]) -> dict
         **_backend_args(backend),
         **config,
     )
-    cls = with_batch_layout(type(f"Recording{trainer_class.__name__}", (_RowRecorder, trainer_class), {}), LAYOUT)
+    cls = type(f"Recording{trainer_class.__name__}", (_RowRecorder, trainer_class), {})
+    if planned is None:
+        cls = with_batch_layout(cls, LAYOUT)
     model = copy.deepcopy(base)
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     trainer = cls(model=model, args=args, train_dataset=dataset, processing_class=word_tokenizer(), **trainer_kwargs)
@@ -142,6 +164,90 @@ def run_case(case: str, backend: str, bases: dict[str, torch.nn.Module]) -> dict
         "num_parameters": len(initial),
         "num_unchanged": sum(int(bool((u == 0).all())) for u in update.values()),
         "micro_batch_rows": getattr(trainer, "micro_batch_rows", []),
+        "sequences": getattr(trainer, "sequences", []),
+        "micro_batch_tokens": getattr(trainer, "micro_batch_tokens", []),
+        "dataset_sequences": [row["input_ids"] for row in rows] if kind == "sft" else [],
+        "global_step": trainer.state.global_step,
+        "num_processes": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "zero_stage": plugin.zero_stage if plugin is not None else None,
+        "param_types": sorted({type(p).__name__ for p in wrapped.parameters()}),
+        "logged_loss": log.get("loss"),
+        "logged_grad_norm": log.get("grad_norm"),
+        "reference_loss": reference.loss,
+        "reference_norm": reference.norm,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- GRPO
+GRPO_MAX_COMPLETION_LENGTH = 8
+
+
+def run_grpo_case(case: str, backend: str) -> dict[str, Any]:
+    """``grpo_<loss_type>_spg<steps_per_generation>[_stock]``: ONE SGD(lr=1) step of TRL's GRPO (with hf_gradacc in
+    front, or stock) on TRL's own dataloader: 16 prompts, 2 completions each, batch 2 x GA 4 on every rank (16
+    completions per step over both ranks), generated with ``model.generate`` and scored by a deterministic reward.
+    Each rank records the micro-batches it trained on; both ranks' are gathered after the step and each rank compares
+    its update with the float64 full-batch step over all 16 completions (``hf_gradacc/testing/grpo_steps.py``)."""
+    import torch.distributed as dist
+    import trl
+
+    from hf_gradacc import trl as gradacc_trl
+    from hf_gradacc.testing.grpo_steps import (
+        GRPOStepRecorder,
+        build_tiny_policy,
+        grpo_prompts,
+        grpo_reference,
+        grpo_tokenizer,
+        length_reward,
+    )
+
+    _, loss_type, spg, *stock = case.split("_")
+    module, prefix = (trl, "") if stock else (gradacc_trl, "GradAcc")
+    trainer_class, config_class = getattr(module, prefix + "GRPOTrainer"), getattr(module, prefix + "GRPOConfig")
+    args = one_step_args(
+        tempfile.mkdtemp(prefix=f"hf_gradacc_trl_{case}_"),
+        per_device_train_batch_size=BS,
+        gradient_accumulation_steps=GA,
+        args_class=config_class,
+        bf16=False,
+        seed=0,
+        ddp_timeout=120,
+        num_generations=2,
+        max_completion_length=GRPO_MAX_COMPLETION_LENGTH,
+        steps_per_generation=int(spg.removeprefix("spg")),
+        loss_type=loss_type,
+        beta=0.0,
+        **_backend_args(backend),
+    )
+    base = build_tiny_policy()
+    model = copy.deepcopy(base)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    cls = type(f"Recording{trainer_class.__name__}", (GRPOStepRecorder, trainer_class), {})
+    trainer = cls(model=model, reward_funcs=length_reward, args=args, train_dataset=grpo_prompts(16),
+                  processing_class=grpo_tokenizer())  # fmt: skip
+    trainer.train()
+    final = full_parameters(trainer)
+    update = {n: initial[n] - final[n].float() for n in initial}
+    every_rank: list[Any] = [None] * world_size()
+    dist.all_gather_object(every_rank, trainer.recorded_micro_batches)
+    micro_batches = [mb for recorded in every_rank for mb in recorded]
+    reference = grpo_reference(base, micro_batches, loss_type=loss_type, max_completion_length=GRPO_MAX_COMPLETION_LENGTH)
+    comparison = compare(update, reference.grads)
+    log = next((h for h in trainer.state.log_history if "loss" in h), {})
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    wrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    return {
+        "case": case,
+        "trainer": trainer_class.__name__,
+        "relative_error": comparison.relative_error,
+        "cosine": comparison.cosine,
+        "norm_ratio": comparison.norm_ratio,
+        "num_parameters": len(initial),
+        "num_unchanged": sum(int(bool((u == 0).all())) for u in update.values()),
+        "micro_batch_rows": [int(mb["completion_ids"].shape[0]) for mb in trainer.recorded_micro_batches],
+        "num_completions": sum(int(mb["completion_ids"].shape[0]) for mb in micro_batches),
+        "completion_lengths": [int(n) for mb in micro_batches for n in mb["completion_mask"].sum(1)],
         "global_step": trainer.state.global_step,
         "num_processes": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
@@ -170,7 +276,10 @@ def main() -> None:
     bases = {"causal_lm": build_tiny_model("causal_lm"), "reward": build_tiny_reward_model()}
     for case in opts.cases.split(","):
         try:
-            payload = run_case(case, opts.backend, bases)
+            if case.startswith("grpo_"):
+                payload = run_grpo_case(case, opts.backend)
+            else:
+                payload = run_case(case, opts.backend, bases)
         except BaseException:
             write_result(case, {"crash": traceback.format_exc()})
             traceback.print_exc()
