@@ -398,7 +398,8 @@ def case_token_stats() -> dict[str, Any]:
             "effective_batch_size": sum(b["input_ids"].shape[0] for b in step_batches),
             "micro_batches": len(step_batches),
         })  # fmt: skip
-    logs = [{k: v for k, v in h.items() if k.startswith(("tokens/", "train/"))} for h in trainer.state.log_history
+    keys = set(direct[0])
+    logs = [{k: v for k, v in h.items() if k in keys or k.startswith("tokens/")} for h in trainer.state.log_history
             if "loss" in h]  # fmt: skip
     return {"logs": logs, "direct": direct, "num_processes": trainer.accelerator.num_processes}
 

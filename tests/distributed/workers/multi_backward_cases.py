@@ -147,10 +147,10 @@ class Recorder(GradAccCallback):
             passes.append({"is_final": bool(is_final), "retain_graph": bool(kwargs.get("retain_graph", False))})
             return original(loss, is_final=is_final, **kwargs)
 
-        def stepping(optimizer):
+        def stepping(optimizer, **kwargs):
             self.in_optimizer_step = True
             try:
-                return original_step(optimizer)
+                return original_step(optimizer, **kwargs)
             finally:
                 self.in_optimizer_step = False
                 self.backend_optimizer_steps += 1
