@@ -26,9 +26,11 @@ from typing import Any
 from datasets import Dataset, load_dataset
 from transformers import AutoTokenizer, HfArgumentParser
 
+from hf_gradacc.testing.trl_steps import save_tiny_checkpoint, word
 from hf_gradacc.trl import GradAccDPOConfig, GradAccDPOTrainer
 
-SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 of the tiny vocabulary
+# the tiny model's words (ids 3 ... after <pad>, </s>, <unk>)
+TINY_WORDS = [word(i) for i in range(3, 96)]
 
 
 @dataclass
@@ -45,35 +47,10 @@ class ScriptArguments:
     num_pairs: int = field(default=7, metadata={"help": "Synthetic preference pairs (without --dataset_path)."})
 
 
-def tiny_vocabulary(size: int = 96) -> list[str]:
-    return [*SPECIAL_TOKENS, *(f"w{i}" for i in range(len(SPECIAL_TOKENS), size))]
-
-
-def save_tiny_checkpoint(path: str, *, seed: int = 0) -> str:
-    """A tiny Llama and a word-level tokenizer over :func:`tiny_vocabulary`, saved to ``path``."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    vocabulary = tiny_vocabulary()
-    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(vocabulary)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(vocabulary), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def synthetic_pairs(num_pairs: int, *, seed: int = 0) -> list[dict[str, str]]:
     """Prompts and completions of mixed lengths over the tiny vocabulary; every completion ends with </s>."""
     rng = random.Random(seed)
-    words = tiny_vocabulary()[len(SPECIAL_TOKENS) :]
+    words = TINY_WORDS
 
     def text(n: int) -> str:
         return " ".join(rng.choice(words) for _ in range(n))
@@ -92,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if path is None:
         path = os.path.join(training_args.output_dir, "tiny-model")
         if training_args.process_index == 0:
-            save_tiny_checkpoint(path, seed=training_args.seed)
+            save_tiny_checkpoint(path, [" ".join(TINY_WORDS)], seed=training_args.seed)
         training_args.distributed_state.wait_for_everyone()
     if script_args.dataset_path is not None:
         train_dataset = load_dataset("json", data_files=script_args.dataset_path, split="train")

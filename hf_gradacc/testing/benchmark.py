@@ -116,6 +116,7 @@ class BenchRow:
     reductions_per_step: float | None
     micro_batches_per_step: float
     relative_update_difference: float | None
+    real_tokens_per_s: float = float("nan")
     step_times_s: tuple[float, ...] = field(default=())
     step_peaks_bytes: tuple[int, ...] = field(default=())
 
@@ -243,15 +244,18 @@ def _turn_callback(name: str, probe: _MemoryProbe, world_size: int):
             self.done = threading.Semaphore(0)
             self.step_times: list[float] = []
             self.step_peaks: list[int] = []
+            self.step_real_tokens: list[int] = []
             self.reductions = 0
             self.error: BaseException | None = None
             self.trainer = None
             self._t0 = 0.0
+            self._real0 = 0
 
         def _wait_turn(self) -> None:
             if not self.go.acquire(timeout=_TURN_TIMEOUT_S):
                 raise TimeoutError(f"bench: {self.name} waited {_TURN_TIMEOUT_S:.0f}s for its turn")
             probe.start()
+            self._real0 = getattr(self.trainer, "real", 0)
             self._t0 = time.perf_counter()
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -272,6 +276,7 @@ def _turn_callback(name: str, probe: _MemoryProbe, world_size: int):
                 torch.cuda.synchronize()
             self.step_times.append(time.perf_counter() - self._t0)
             self.step_peaks.append(probe.peak())
+            self.step_real_tokens.append(getattr(self.trainer, "real", 0) - self._real0)
             self.done.release()
             self._wait_turn()
 
@@ -432,6 +437,7 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
                 reductions_per_step=turns[name].reductions / steps if world_size > 1 else None,
                 micro_batches_per_step=counter.micro_batches / steps,
                 relative_update_difference=diff,
+                real_tokens_per_s=sum(turns[name].step_real_tokens[skip:]) / sum(times) if sum(times) else float("nan"),
                 step_times_s=tuple(times),
                 step_peaks_bytes=tuple(turns[name].step_peaks[skip:]),
             )
@@ -463,16 +469,17 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     """
     header = (
         "| data | vocab | trainer | step time (median) | step time ratio vs stock (median of pairs) | total time ratio | "
-        "computed / real tokens | peak memory ratio | micro-batches / step | reductions / step | "
+        "real tokens / s | computed / real tokens | peak memory ratio | micro-batches / step | reductions / step | "
         "update diff vs GradAccTrainer |"
     )
-    lines = [header, "|" + " --- |" * 11]
+    lines = [header, "|" + " --- |" * 12]
     for r in rows:
         reductions = "n/a (1 process)" if r.reductions_per_step is None else f"{r.reductions_per_step:.2f}"
         diff = "-" if r.relative_update_difference is None else f"{r.relative_update_difference:.1e}"
         lines.append(
             f"| {r.dataset} | {r.vocab_size} | {_TRAINER_LABELS[r.trainer]} | {r.median_step_time_s * 1e3:.0f} ms | "
-            f"{r.step_time_ratio:.3f} | {r.total_time_ratio:.3f} | {r.computed_per_real_token:.3f} | "
+            f"{r.step_time_ratio:.3f} | {r.total_time_ratio:.3f} | {r.real_tokens_per_s:,.0f} | "
+            f"{r.computed_per_real_token:.3f} | "
             f"{r.peak_memory_ratio:.3f} | {r.micro_batches_per_step:.1f} | {reductions} | {diff} |"
         )
     return "\n".join(lines)
