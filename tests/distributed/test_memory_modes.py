@@ -7,8 +7,8 @@ One launch per backend (process start-up is most of the cost), each running seve
   nothing may hang, the size found is kept for later steps, and out of memory on one sample is a clear error on
   every rank); ``defer_normalization`` on a streamed ``IterableDataset`` whose last window is short, and with a
   ``LossTerm`` count of the user's own.
-* DeepSpeed ZeRO-2 (``TrainingArguments(deepspeed=...)``) and FSDP2: ``regroup_micro_batches`` and
-  ``max_tokens_per_micro_batch`` give the update of the plain GradAccTrainer on the same backend, with the same
+* DeepSpeed ZeRO-2 (``TrainingArguments(deepspeed=...)``) and FSDP2: ``regroup_micro_batches``,
+  ``max_tokens_per_micro_batch`` and ``pack_micro_batches`` give the update of the plain GradAccTrainer on the same backend, with the same
   samples in every optimizer step; ``auto_micro_batch`` and ``defer_normalization`` are refused with a clear error
   there (a rank that fails mid-window, or a gradient reduced while it is produced, cannot be handled).
 
@@ -32,7 +32,7 @@ LAUNCH_TIMEOUT_S = 300
 WORKER = Path(__file__).parent / "workers" / "memory_cases.py"
 # as in the worker
 AUTO_ROWS_PER_STEP = 4 * 2  # rows per rank per optimizer step of the auto_micro_batch cases (bs 4 x GA 2)
-GA = 4
+BS, GA = 2, 4
 BUDGET = 40
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -196,7 +196,7 @@ def merged_windows(ranks: list[dict], mode: str) -> list[list[int]]:
 def test_runs_are_on_the_sharded_backend(launches, backend: str) -> None:
     for case in ("regroup_one_step", "regroup_windows"):
         for run in load_case(launches(backend), case):
-            for mode in ("plain", "regroup", "budget"):
+            for mode in ("plain", "regroup", "budget", "pack"):
                 out = run[mode]
                 assert out["num_processes"] == NPROC
                 if backend == "zero2":
@@ -215,7 +215,7 @@ def test_regrouped_step_equals_the_plain_step(launches, backend: str) -> None:
     for mode in ("regroup", "budget"):
         assert sum(r[mode]["padded_tokens"] for r in ranks) < plain_padded, f"{mode}: no padding saved"
     for r, run in enumerate(ranks):
-        for mode in ("plain", "regroup", "budget"):
+        for mode in ("plain", "regroup", "budget", "pack"):
             out = run[mode]
             assert out["relative_error_vs_reference"] <= TOLERANCE, f"{mode}, rank {r}: {out}"
             assert out["relative_difference_vs_plain"] <= TOLERANCE, f"{mode}, rank {r}: {out}"
@@ -241,6 +241,16 @@ def test_regrouped_steps_keep_each_steps_samples(launches, backend: str) -> None
     budget = ranks[0]["budget"]
     assert all(size <= BUDGET for r in ranks for size in r["budget"]["padded_per_micro_batch"])
     assert max(len(w) for w in budget["windows"]) > GA  # the budget needed more micro-batches somewhere
+    # packed rows: the same three steps, the same number of rows on both ranks, the plain update
+    assert ranks[0]["pack"]["window_sizes"] == ranks[1]["pack"]["window_sizes"]
+    assert len(ranks[0]["pack"]["window_sizes"]) == 3
+    assert all(r["pack"]["rows_per_micro_batch"] == [1] for r in ranks)  # every micro-batch one packed row
+    assert all(r["plain"]["rows_per_micro_batch"] == [BS] for r in ranks)
+    for r, run in enumerate(ranks):
+        out = run["pack"]
+        assert out["global_step"] == 3
+        assert out["relative_difference_vs_plain"] <= TOLERANCE, f"pack, rank {r}: {out}"
+        assert out["max_abs_diff_vs_rank0"] == 0.0 and out["unchanged_params"] == []
 
 
 @pytest.mark.parametrize("backend", SHARDED)

@@ -63,6 +63,8 @@ REGROUP_MODES = {
     "plain": {},
     "regroup": {"regroup_micro_batches": True},
     "budget": {"max_tokens_per_micro_batch": BUDGET},
+    # one padding-free row per micro-batch (PackedCollator replaces the recording collator: sizes come from the trainer)
+    "pack": {"pack_micro_batches": True, "max_tokens_per_micro_batch": BUDGET},
 }
 
 
@@ -122,6 +124,7 @@ class WindowProbe(GradAccTrainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
         self.__dict__.setdefault("window_sizes", []).append(len(batches))
+        self.__dict__.setdefault("rows", []).extend(int(b["input_ids"].shape[0]) for b in batches)
         return batches, count
 
 
@@ -363,6 +366,8 @@ def regroup_run(backend: str, samples, mode: str, **overrides: Any) -> tuple[dic
     padded = [len(b) * max(lengths[i] for i in b) for b in collator.micro_batches[:start]]
     out = {
         "windows": windows,
+        "window_sizes": list(trainer.window_sizes),
+        "rows_per_micro_batch": sorted(set(trainer.rows)),
         "padded_per_micro_batch": padded,
         "padded_tokens": sum(padded),
         "global_step": trainer.state.global_step,
