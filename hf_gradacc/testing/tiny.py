@@ -405,3 +405,31 @@ class ListIterableDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         return iter(self.samples)
+
+
+def two_term_loss(model: torch.nn.Module, inputs: dict[str, Any], reg_weight: float) -> tuple[dict[str, Any], Any]:
+    """A causal-LM loss with two denominators, for tests of loss terms: the token cross-entropy summed over the
+    micro-batch (normalised by ``"tokens"``) and ``reg_weight`` x the mean squared logit of each row, summed over
+    rows (normalised by ``"samples"``). Returns ``(terms, outputs)``; ``inputs`` is not modified.
+
+    Example:
+        ```python
+        class TwoTerms(GradAccTrainer):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                terms, outputs = two_term_loss(model, inputs, reg_weight=0.01)
+                return (terms, outputs) if return_outputs else terms
+        ```
+    """
+    import torch.nn.functional as F
+
+    from ..loss import LossTerm
+
+    inputs = dict(inputs)
+    labels = inputs.pop("labels")
+    outputs = model(**inputs)
+    logits = outputs.logits.float()
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    mask = inputs["attention_mask"].unsqueeze(-1).float()
+    per_row = ((logits**2).mean(-1, keepdim=True) * mask).sum(dim=(1, 2)) / mask.sum(dim=(1, 2))
+    return {"ce": LossTerm(ce, "tokens"), "reg": LossTerm(reg_weight * per_row.sum(), "samples")}, outputs

@@ -7,16 +7,15 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hf_gradacc import GradAccTrainer, LossTerm  # noqa: E402
+from hf_gradacc import GradAccTrainer  # noqa: E402
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update  # noqa: E402
 from hf_gradacc.testing.reference import compare  # noqa: E402
-from hf_gradacc.testing.tiny import NUM_LABELS, VOCAB_SIZE, PaddingCollator, build_tiny_model  # noqa: E402
+from hf_gradacc.testing.tiny import NUM_LABELS, VOCAB_SIZE, PaddingCollator, build_tiny_model, two_term_loss  # noqa: E402
 
 TOLERANCE = 1e-5
 REG = 0.05
@@ -27,14 +26,7 @@ class TwoTerms(GradAccTrainer):
     """Token cross-entropy ('tokens') plus a per-sample logit penalty ('samples'): two denominators per step."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        labels = inputs.pop("labels")
-        outputs = model(**inputs)
-        logits = outputs.logits.float()
-        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-        mask = inputs["attention_mask"].unsqueeze(-1).float()
-        per_row = ((logits**2).mean(-1, keepdim=True) * mask).sum(dim=(1, 2)) / mask.sum(dim=(1, 2))
-        terms = {"ce": LossTerm(ce, "tokens"), "reg": LossTerm(REG * per_row.sum(), "samples")}
+        terms, outputs = two_term_loss(model, inputs, reg_weight=REG)
         return (terms, outputs) if return_outputs else terms
 
 

@@ -15,7 +15,7 @@ from hf_gradacc.callbacks import GradAccCallback, GradNormCallback
 from hf_gradacc.grads import GradientsNotReadyError
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.reference import compare
-from hf_gradacc.testing.tiny import PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.tiny import PaddingCollator, build_tiny_model, make_samples, two_term_loss
 
 TOL = 1e-5
 REG_WEIGHT = 0.01
@@ -31,14 +31,7 @@ class TwoTermTrainer(GradAccTrainer):
     """Token cross-entropy ('tokens') plus a logit-size penalty averaged per sample ('samples')."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        labels = inputs.pop("labels")
-        outputs = model(**inputs)
-        logits = outputs.logits.float()
-        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-        mask = inputs["attention_mask"].unsqueeze(-1).float()
-        per_row = ((logits**2).mean(-1, keepdim=True) * mask).sum(dim=(1, 2)) / mask.sum(dim=(1, 2))
-        terms = {"ce": LossTerm(ce, "tokens"), "reg": LossTerm(REG_WEIGHT * per_row.sum(), "samples")}
+        terms, outputs = two_term_loss(model, inputs, reg_weight=REG_WEIGHT)
         return (terms, outputs) if return_outputs else terms
 
 

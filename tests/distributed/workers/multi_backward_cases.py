@@ -39,14 +39,13 @@ import traceback
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import SequentialSampler
 
-from hf_gradacc import GradAccConfig, GradAccTrainer, LossTerm
+from hf_gradacc import GradAccConfig, GradAccTrainer
 from hf_gradacc.callbacks import GradAccCallback
 from hf_gradacc.testing.one_step import full_parameters, one_step_args
 from hf_gradacc.testing.reference import compare
-from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples, two_term_loss
 from tests.distributed.workers._common import (  # the repository root is on PYTHONPATH
     WarningRecorder,
     finish_worker,
@@ -73,15 +72,7 @@ class TwoTermTrainer(GradAccTrainer):
         return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        inputs = dict(inputs)
-        labels = inputs.pop("labels")
-        outputs = model(**inputs)
-        logits = outputs.logits.float()
-        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-        mask = inputs["attention_mask"].unsqueeze(-1).float()
-        per_row = ((logits**2).mean(-1, keepdim=True) * mask).sum(dim=(1, 2)) / mask.sum(dim=(1, 2))
-        terms = {"ce": LossTerm(ce, "tokens"), "reg": LossTerm(REG_WEIGHT * per_row.sum(), "samples")}
+        terms, outputs = two_term_loss(model, inputs, reg_weight=REG_WEIGHT)
         return (terms, outputs) if return_outputs else terms
 
 
