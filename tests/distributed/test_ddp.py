@@ -40,6 +40,7 @@ CASES = (
     "comm_hook",
     "moe_mixtral",
     "moe_qwen3_moe",
+    *(f"moe_{family}_ga{ga}" for family in ("mixtral", "qwen3_moe") for ga in (1, 8)),
 )
 
 
@@ -133,10 +134,11 @@ def test_stock_trainer_on_two_ranks(ddp_run: LaunchResult, task: str, min_factor
                 assert stock["norm_ratio"] <= max_factor, f"rank {r}: norm ratio {stock['norm_ratio']:.3f}"
 
 
+@pytest.mark.parametrize("ga", [1, GA, 8])
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_moe_router_term_on_two_ranks(ddp_run: LaunchResult, family: str) -> None:
-    for payload in load_case(ddp_run, f"moe_{family}"):
-        assert sorted(payload["micro_batch_sizes"]) == [BS - 1] + [BS] * (GA * NPROC - 1), payload  # both ranks'
+def test_moe_router_term_on_two_ranks(ddp_run: LaunchResult, family: str, ga: int) -> None:
+    for payload in load_case(ddp_run, f"moe_{family}" if ga == GA else f"moe_{family}_ga{ga}"):
+        assert sorted(payload["micro_batch_sizes"]) == [BS - 1] + [BS] * (ga * NPROC - 1), payload  # both ranks'
         assert payload["relative_error"] <= TOLERANCE and payload["router_relative_error"] <= 5e-5, payload
         assert payload["model_wrapped"] == "DistributedDataParallel" and payload["num_processes"] == NPROC
         assert payload["loss"] == pytest.approx(payload["main"] + payload["aux"], rel=1e-6) and payload["aux"] > 0

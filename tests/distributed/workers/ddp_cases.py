@@ -337,15 +337,16 @@ def case_comm_hook() -> dict[str, Any]:
     return {"gradacc": gradacc, "calls": counter.calls, "registered_on": counter.registered_on, "ga": GA}
 
 
-def case_moe(family: str) -> Callable[[], dict[str, Any]]:
-    """A tiny mixture-of-experts model, unequal micro-batches: the router term follows the routed-token rule."""
+def case_moe(family: str, ga: int = GA) -> Callable[[], dict[str, Any]]:
+    """A tiny mixture-of-experts model at accumulation ``ga``, unequal micro-batches: the router term follows the
+    routed-token rule."""
 
     def run() -> dict[str, Any]:
         from hf_gradacc.testing.tiny import build_tiny_moe
 
         model = build_tiny_moe(family)
-        samples = make_samples("causal_lm", BS * GA * W - 1, seed=5)  # the last micro-batch of rank 1 is short
-        args = one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=GA, use_cpu=True,
+        samples = make_samples("causal_lm", BS * ga * W - 1, seed=5)  # the last micro-batch of rank 1 is short
+        args = one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=ga, use_cpu=True,
                              ddp_backend="gloo", ddp_timeout=120, seed=0,
                              accelerator_config={"even_batches": False})  # no padding of the tail with repeats
         # fmt: skip
@@ -432,6 +433,7 @@ def case_batchnorm_precise() -> dict[str, Any]:
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "moe_mixtral": case_moe("mixtral"),
     "moe_qwen3_moe": case_moe("qwen3_moe"),
+    **{f"moe_{family}_ga{ga}": case_moe(family, ga) for family in ("mixtral", "qwen3_moe") for ga in (1, 8)},
     "exact_causal_lm": case_exact("causal_lm"),
     "exact_sequence_classification": case_exact("sequence_classification"),
     "exact_masked_lm": case_exact("masked_lm"),
