@@ -3,6 +3,8 @@
 TokenStatsCallback: the logged numbers of every step are equal on both ranks and equal to the SUM over ranks of each
 rank's direct count of its own batches (they come from the step's one collective). Precise BatchNorm: after training,
 both ranks hold the same running statistics, the mean over ranks of the statistics of each rank's precise batches.
+Frozen BatchNorm: one accumulated step over both ranks equals the float64 full-batch step with fixed statistics,
+and no running statistic moves.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> LaunchResult:
     return run_workers(
         WORKER,
         nproc=NPROC,
-        args=["--cases", "token_stats,batchnorm_precise"],
+        args=["--cases", "token_stats,batchnorm_precise,batchnorm_freeze"],
         timeout=300,
         out_dir=tmp_path_factory.mktemp("ddp_callbacks"),
         check=False,
@@ -60,3 +62,10 @@ def test_precise_batchnorm_statistics_are_averaged_over_ranks(ddp_run: LaunchRes
             expected = torch.stack(per_rank).mean(0)
             for r in ranks:
                 torch.testing.assert_close(torch.tensor(r["running"][name][stat]), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_batchnorm_step_is_exact_and_keeps_the_statistics(ddp_run: LaunchResult) -> None:
+    for payload in load_case(ddp_run, "batchnorm_freeze"):
+        assert payload["num_processes"] == NPROC and payload["num_layers"] == 6
+        assert payload["moved"] == []
+        assert payload["relative_error"] <= 1e-5, payload

@@ -430,6 +430,27 @@ def case_batchnorm_precise() -> dict[str, Any]:
             "num_processes": trainer.accelerator.num_processes}  # fmt: skip
 
 
+def case_batchnorm_freeze() -> dict[str, Any]:
+    """A tiny ResNet with `batchnorm="freeze_stats"`, one SGD(lr=1) step over both ranks' micro-batches: the update
+    against the float64 full-batch gradient with the statistics fixed (the reference runs in eval mode), and whether
+    any running statistic moved."""
+    from hf_gradacc.callbacks.batchnorm import batchnorm_layers
+    from hf_gradacc.testing.tiny import build_tiny_image_model
+
+    model = build_tiny_image_model("resnet")
+    samples = make_samples("image_classification", BS * GA * W, seed=14)
+    before = {name: layer.running_mean.clone() for name, layer in batchnorm_layers(model)}
+    args = one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=GA, use_cpu=True,
+                         ddp_backend="gloo", ddp_timeout=120, seed=0)  # fmt: skip
+    update, trainer = one_step_update(SequentialGradAccTrainer, model, samples, args,
+                                      trainer_kwargs={"gradacc_args": {"batchnorm": "freeze_stats"}})  # fmt: skip
+    reference = reference_gradients(model, samples, "image_classification", PaddingCollator())
+    after = dict(batchnorm_layers(trainer.accelerator.unwrap_model(trainer.model)))
+    moved = [name for name, mean in before.items() if not torch.equal(mean, after[name].running_mean)]
+    return {"relative_error": compare(update, reference).relative_error, "moved": moved, "num_layers": len(before),
+            "num_processes": trainer.accelerator.num_processes}  # fmt: skip
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "moe_mixtral": case_moe("mixtral"),
     "moe_qwen3_moe": case_moe("qwen3_moe"),
@@ -448,6 +469,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "comm_hook": case_comm_hook,
     "token_stats": case_token_stats,
     "batchnorm_precise": case_batchnorm_precise,
+    "batchnorm_freeze": case_batchnorm_freeze,
 }
 
 
