@@ -13,7 +13,9 @@ Case keys:
     name, task, trainer ('gradacc' | 'stock'), fsdp_sync, fsdp_config (extra TrainingArguments.fsdp_config),
     mode ('trainer' | 'setup_error': report the error the trainer raises | 'direct': FSDP2Backend on a model sharded
     by hand, see `run_direct_case`), hsdp, two_backward (direct mode), hook (trainer mode: an accumulated-gradient
-    hook zeroes ``lm_head.weight`` and ``trainer.grads.norm()`` is read before the step).
+    hook zeroes ``lm_head.weight`` and ``trainer.grads.norm()`` is read before the step), moe (trainer mode: a tiny
+    mixture-of-experts causal LM of that family, whose router term needs every rank's micro-batches for the
+    reference; one sample fewer, so one micro-batch is short).
 Every case counts FSDP2's reduce-scatter and all-reduce calls per micro-batch and (trainer mode) gathers the
 accumulated gradient in ``on_pre_optimizer_step``.
 
@@ -42,7 +44,7 @@ from hf_gradacc import GradAccConfig, GradAccTrainer
 from hf_gradacc.patches.fsdp_cpu import enable_fsdp_on_cpu
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients
-from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, build_tiny_moe, make_samples
 from tests.distributed.workers._common import CollectiveCounter, finish_worker, write_result
 
 PER_DEVICE_BATCH = 2
@@ -97,9 +99,12 @@ class ProbeCallback(TrainerCallback):
 def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str) -> dict[str, Any]:
     task = case["task"]
     trainer_kind = case.get("trainer", "gradacc")
-    samples = make_samples(task, world * PER_DEVICE_BATCH * GRAD_ACC, seed=case.get("seed", 3))
-    model = build_tiny_model(task)
+    moe = case.get("moe")
+    samples = make_samples(task, world * PER_DEVICE_BATCH * GRAD_ACC - bool(moe), seed=case.get("seed", 3))
+    model = build_tiny_moe(moe) if moe else build_tiny_model(task)
     overrides: dict[str, Any] = dict(use_cpu=True, seed=11, optim="sgd")
+    if moe:
+        overrides["accelerator_config"] = {"even_batches": False}  # no repeated samples in the short micro-batch
     if launcher == "torchrun":
         overrides.update(fsdp=True, fsdp_config={"version": 2, **case.get("fsdp_config", {})}, ddp_backend="gloo")
     if trainer_kind == "gradacc":
@@ -117,6 +122,12 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
     )
     work = copy.deepcopy(model)
     initial = {n: p.detach().clone() for n, p in work.named_parameters() if p.requires_grad}
+    micro_batches: list[list[dict[str, Any]]] = []  # this rank's, as features (the router reference needs them)
+
+    def collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        micro_batches.append([dict(f) for f in features])
+        return PaddingCollator()(features)
+
     counter = CollectiveCounter()
     probe = ProbeCallback(counter)
     result: dict[str, Any] = {"name": case["name"], "rank": rank}
@@ -133,7 +144,7 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
             model=work,
             args=args,
             train_dataset=ListDataset(samples),
-            data_collator=PaddingCollator(),
+            data_collator=collate,
             callbacks=[probe],
         )
         probe.trainer = trainer
@@ -158,6 +169,9 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
         return result
 
     final = {n: full(p).detach().clone().cpu() for n, p in trainer.model.named_parameters()}
+    every_rank: list[Any] = [None] * world
+    dist.all_gather_object(every_rank, micro_batches)
+    step_micro_batches = [mb for per_rank in every_rank for mb in per_rank]
     result.update(
         distributed_type=str(trainer.accelerator.distributed_type),
         param_types=sorted({type(p).__name__ for p in trainer.model.parameters()}),
@@ -167,7 +181,9 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
         grads_norm=probe.grads_norm,
     )
     if rank == 0:
-        reference = reference_gradients(model, samples, task, PaddingCollator())
+        reference = reference_gradients(model, samples, task, PaddingCollator(),
+                                        micro_batches=step_micro_batches if moe else None)  # fmt: skip
+        result["micro_batch_sizes"] = sorted(len(mb) for mb in step_micro_batches)
         update = {n: initial[n] - final[n] for n in initial if n in final}
         result["missing"] = sorted(set(initial) - set(final))
         result["unchanged"] = sorted(n for n, u in update.items() if float(u.abs().max()) == 0.0)
@@ -176,6 +192,10 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
             reference.pop(ZEROED)
             probe.grads.pop(ZEROED, None)
         result["update"] = comparison(update, reference)
+        if moe:  # the router weights alone: the router term is a small share of the whole update
+            router = [n for n in reference if n.endswith("mlp.gate.weight")]
+            result["router"] = comparison({n: update[n] for n in router}, {n: reference[n] for n in router})
+            result["num_router"] = len(router)
         result["grad"] = comparison(probe.grads, reference) if probe.grads else None
         result["num_grads"] = len(probe.grads)
         logs = [h for h in trainer.state.log_history if "loss" in h]
