@@ -19,7 +19,9 @@ scales every gradient; hook_local: on this rank's part only), optimizer ('closur
 'config_error': build the trainer with the `env` overrides, train it when `train` is true, report the error),
 env (environment variables set meanwhile), unpatched (undo the CPU-distributed patch for the case),
 multi_backward (two LossTerms, `backward_per_term=True`: two backward passes per micro-batch), num_windows (train
-that many optimizer steps; reports a projection of the total update instead of a reference comparison).
+that many optimizer steps; reports a projection of the total update instead of a reference comparison), moe (a tiny
+mixture-of-experts causal LM of that family, one sample fewer so one micro-batch is short; its float64 reference
+needs every rank's micro-batches for the router term, so it is computed after training from the gathered batches).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from hf_gradacc import GradAccConfig, GradAccTrainer, LossTerm
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients
-from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, build_tiny_moe, make_samples
 from tests.distributed.workers._common import ZeroReductionCounter, finish_worker, rank, world_size, write_result
 
 PER_DEVICE_BATCH = 2
@@ -156,6 +158,8 @@ def _args(case: dict[str, Any], output_dir: str) -> TrainingArguments:
         extra["backward_per_term"] = True
     if DEEPSPEED_CONFIG is not None:
         extra["deepspeed"] = copy.deepcopy(DEEPSPEED_CONFIG)
+    if case.get("moe"):
+        extra["accelerator_config"] = {"even_batches": False}  # no repeated samples in the short micro-batch
     return one_step_args(
         output_dir,
         per_device_train_batch_size=PER_DEVICE_BATCH,
@@ -180,7 +184,9 @@ class ClosureSGD(torch.optim.SGD):
 OPTIMIZERS = {"closure_sgd": (ClosureSGD, {"lr": 1.0})}
 
 
-def _build_trainer(case: dict[str, Any], model: torch.nn.Module, samples: list, output_dir: str) -> Trainer:
+def _build_trainer(
+    case: dict[str, Any], model: torch.nn.Module, samples: list, output_dir: str, collator: Any = None
+) -> Trainer:
     args = _args(case, output_dir)
     trainer_class = GradAccTrainer if case.get("trainer", "gradacc") == "gradacc" else Trainer
     if case.get("multi_backward"):
@@ -189,7 +195,8 @@ def _build_trainer(case: dict[str, Any], model: torch.nn.Module, samples: list, 
     if case.get("optimizer"):
         kwargs["optimizer_cls_and_kwargs"] = OPTIMIZERS[case["optimizer"]]
     return trainer_class(
-        model=model, args=args, train_dataset=ListDataset(samples), data_collator=PaddingCollator(), **kwargs
+        model=model, args=args, train_dataset=ListDataset(samples), data_collator=collator or PaddingCollator(),
+        **kwargs,
     )
 
 
@@ -227,7 +234,13 @@ def run_step(case: dict[str, Any], base: torch.nn.Module, samples: list, referen
 
     model = copy.deepcopy(base)
     initial = {n: p.detach().clone().float() for n, p in model.named_parameters() if p.requires_grad}
-    trainer = _build_trainer(case, model, samples, tempfile.mkdtemp(prefix="ds_case_"))
+    micro_batches: list[list[dict[str, Any]]] = []  # this rank's, as features (moe: the router reference needs them)
+
+    def collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        micro_batches.append([dict(f) for f in features])
+        return PaddingCollator()(features)
+
+    trainer = _build_trainer(case, model, samples, tempfile.mkdtemp(prefix="ds_case_"), collate)
     stage = trainer.accelerator.state.deepspeed_plugin.zero_stage
     if stage == 3:
         # Tiny models: without this every parameter stays whole on every rank and ZeRO-3 shards nothing.
@@ -274,6 +287,13 @@ def run_step(case: dict[str, Any], base: torch.nn.Module, samples: list, referen
         direction = torch.randn(flat.numel(), generator=g, dtype=torch.float64)
         return {**common, "projection": float(flat @ direction), "update_norm": float(flat.norm())}
 
+    router: list[str] = []
+    if case.get("moe"):
+        every_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, micro_batches)
+        step = [mb for per_rank in every_rank for mb in per_rank]
+        reference = reference_gradients(base, samples, case["task"], PaddingCollator(), micro_batches=step)
+        router = [n for n in reference if n.endswith("mlp.gate.weight")]
     ref_norm = math.sqrt(_sq_norm(reference))
     expected = reference
     max_norm = float(case.get("max_grad_norm", 0.0) or 0.0)
@@ -293,6 +313,10 @@ def run_step(case: dict[str, Any], base: torch.nn.Module, samples: list, referen
         "logged_grad_norm": logged[-1] if logged else None,
         "reference_grad_norm": ref_norm,
     }
+    if router:  # the router weights alone: the router term is a small share of the whole update
+        payload["router_relative_error"] = compare({n: update[n] for n in router}, {n: expected[n] for n in router}).relative_error
+        payload["num_router"] = len(router)
+        payload["micro_batch_sizes"] = sorted(len(mb) for mb in step)
     if reader is not None:
         payload["engine_steps_before_callback"] = reader.engine_steps_before
         payload["backend_norm"] = reader.backend_norm
@@ -322,16 +346,18 @@ def main() -> None:
         enable_cpu_distributed()
 
     # Models, samples and references first: nothing DeepSpeed-related may touch them (ZeRO-3 partitions in place).
-    def key(case: dict[str, Any]) -> tuple[str, int, int]:
-        return case["task"], case.get("seed", 0), case.get("num_windows", 1)
+    def key(case: dict[str, Any]) -> tuple[str, int, int, str]:
+        return case["task"], case.get("seed", 0), case.get("num_windows", 1), case.get("moe", "")
 
-    prepared: dict[tuple[str, int, int], tuple[torch.nn.Module, list, dict]] = {}
+    prepared: dict[tuple[str, int, int, str], tuple[torch.nn.Module, list, dict]] = {}
     for case in cases:
-        task, seed, num_windows = key(case)
+        task, seed, num_windows, moe = key(case)
         if key(case) not in prepared:
-            model = build_tiny_model(task, seed=seed)
-            samples = make_samples(task, world_size() * PER_DEVICE_BATCH * GRAD_ACC * num_windows, seed=seed)
-            reference = reference_gradients(model, samples, task, PaddingCollator()) if num_windows == 1 else {}
+            model = build_tiny_moe(moe, seed=seed) if moe else build_tiny_model(task, seed=seed)
+            num = world_size() * PER_DEVICE_BATCH * GRAD_ACC * num_windows - bool(moe)
+            samples = make_samples(task, num, seed=seed)
+            one_step = num_windows == 1 and not moe  # moe: after training, from the gathered micro-batches
+            reference = reference_gradients(model, samples, task, PaddingCollator()) if one_step else {}
             prepared[key(case)] = (model, samples, reference)
 
     for case in cases:
