@@ -135,6 +135,41 @@ def reference_gradients(
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.requires_grad and p.grad is not None}
 
 
+def two_term_reference(
+    model: torch.nn.Module,
+    samples: Sequence[dict[str, Any]],
+    collate: Callable[[Sequence[dict[str, Any]]], dict[str, torch.Tensor]],
+    reg_weight: float,
+    *,
+    reg_by_tokens: bool = False,
+) -> tuple[dict[str, torch.Tensor], float, float]:
+    """Float64 full-batch gradient of the causal-LM loss of :func:`hf_gradacc.testing.tiny.two_term_loss`, written out
+    by hand: mean token cross-entropy + ``reg_weight`` x the mean over samples of each row's mean squared logit.
+    Returns ``(gradients by parameter name, ce, reg)``.
+
+    ``reg_by_tokens``: divide the penalty's sum by the token count instead (a wrong denominator, to show the size of
+    the error a test would catch).
+
+    Example:
+        ```python
+        grads, ce, reg = two_term_reference(model, samples, PaddingCollator(), reg_weight=0.01)
+        ```
+    """
+    ref = copy.deepcopy(model).double()
+    batch = collate(list(samples))
+    labels = batch.pop("labels")
+    logits = ref(**batch).logits
+    logp = torch.log_softmax(logits[:, :-1], -1)
+    targets = labels[:, 1:]
+    mask = targets != -100
+    ce = -(logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask).sum() / mask.sum()
+    am = batch["attention_mask"].unsqueeze(-1).double()
+    per_row = ((logits**2).mean(-1, keepdim=True) * am).sum(dim=(1, 2)) / am.sum(dim=(1, 2))
+    reg = per_row.sum() / (mask.sum() if reg_by_tokens else per_row.numel())
+    (ce + reg_weight * reg).backward()
+    return {n: p.grad.detach().clone() for n, p in ref.named_parameters()}, float(ce), float(reg)
+
+
 def compare(update: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> Comparison:
     """Relative error, cosine and norm ratio of ``update`` against ``reference`` over their shared names."""
     names = [n for n in reference if n in update]

@@ -3,7 +3,6 @@ GradNormCallback and the low-level `trainer.backward` — single process, agains
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
@@ -14,7 +13,7 @@ from hf_gradacc import GradAccConfig, GradAccLossError, GradAccTrainer, LossTerm
 from hf_gradacc.callbacks import GradAccCallback, GradNormCallback
 from hf_gradacc.grads import GradientsNotReadyError
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
-from hf_gradacc.testing.reference import compare
+from hf_gradacc.testing.reference import compare, two_term_reference
 from hf_gradacc.testing.tiny import PaddingCollator, build_tiny_model, make_samples, two_term_loss
 
 TOL = 1e-5
@@ -35,27 +34,11 @@ class TwoTermTrainer(GradAccTrainer):
         return (terms, outputs) if return_outputs else terms
 
 
-def two_term_reference(model, samples):
-    """Full-batch gradient of mean token CE + REG_WEIGHT x mean per-sample penalty, float64, by hand."""
-    ref = copy.deepcopy(model).double()
-    batch = PaddingCollator()(samples)
-    labels = batch.pop("labels")
-    logits = ref(**batch).logits
-    logp = torch.log_softmax(logits[:, :-1], -1)
-    targets = labels[:, 1:]
-    mask = targets != -100
-    ce = -(logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask).sum() / mask.sum()
-    am = batch["attention_mask"].unsqueeze(-1).double()
-    reg = (((logits**2).mean(-1, keepdim=True) * am).sum(dim=(1, 2)) / am.sum(dim=(1, 2))).mean()
-    (ce + REG_WEIGHT * reg).backward()
-    return {n: p.grad.detach().clone() for n, p in ref.named_parameters()}, float(ce.detach()), float(reg.detach())
-
-
 @pytest.fixture(scope="module")
 def causal_setup():
     samples = make_samples("causal_lm", 8, seed=3)
     model = build_tiny_model("causal_lm")
-    reference, ce, reg = two_term_reference(model, samples)
+    reference, ce, reg = two_term_reference(model, samples, PaddingCollator(), REG_WEIGHT)
     return model, samples, reference, ce, reg
 
 

@@ -44,7 +44,7 @@ from torch.utils.data import SequentialSampler
 from hf_gradacc import GradAccConfig, GradAccTrainer
 from hf_gradacc.callbacks import GradAccCallback
 from hf_gradacc.testing.one_step import full_parameters, one_step_args
-from hf_gradacc.testing.reference import compare
+from hf_gradacc.testing.reference import compare, two_term_reference
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples, two_term_loss
 from tests.distributed.workers._common import (  # the repository root is on PYTHONPATH
     WarningRecorder,
@@ -74,29 +74,6 @@ class TwoTermTrainer(GradAccTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         terms, outputs = two_term_loss(model, inputs, reg_weight=REG_WEIGHT)
         return (terms, outputs) if return_outputs else terms
-
-
-def two_term_reference(
-    model: torch.nn.Module, samples: list, *, reg_by_tokens: bool = False
-) -> tuple[dict[str, torch.Tensor], float, float]:
-    """Float64 full-batch gradient of mean token CE + REG_WEIGHT x mean per-sample penalty, written out by hand.
-
-    ``reg_by_tokens``: divide the penalty's sum by the token count instead (a wrong denominator, to show the size of
-    the error the tests would catch).
-    """
-    ref = copy.deepcopy(model).double()
-    batch = PaddingCollator()(samples)
-    labels = batch.pop("labels")
-    logits = ref(**batch).logits
-    logp = torch.log_softmax(logits[:, :-1], -1)
-    targets = labels[:, 1:]
-    mask = targets != -100
-    ce = -(logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask).sum() / mask.sum()
-    am = batch["attention_mask"].unsqueeze(-1).double()
-    per_row = ((logits**2).mean(-1, keepdim=True) * am).sum(dim=(1, 2)) / am.sum(dim=(1, 2))
-    reg = per_row.sum() / (mask.sum() if reg_by_tokens else per_row.numel())
-    (ce + REG_WEIGHT * reg).backward()
-    return {n: p.grad.detach().clone() for n, p in ref.named_parameters()}, float(ce), float(reg)
 
 
 # ---------------------------------------------------------------------------------------------- observers
@@ -275,7 +252,7 @@ def run_case(case: dict[str, Any], backend: str, base: torch.nn.Module, samples:
         before = initial if k == 0 else recorder.params_after[k - 1]
         after = recorder.params_after[k]
         window = samples[k * SAMPLES_PER_WINDOW : (k + 1) * SAMPLES_PER_WINDOW]
-        reference, ce, reg = two_term_reference(_model_at(base, before), window)
+        reference, ce, reg = two_term_reference(_model_at(base, before), window, PaddingCollator(), REG_WEIGHT)
         reference = {n: g for n, g in reference.items() if n in trainable}
         ref_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in reference.values()))
         update = {n: before[n] - after[n] for n in trainable}
@@ -309,7 +286,9 @@ def run_case(case: dict[str, Any], backend: str, base: torch.nn.Module, samples:
                 logged_grad_norm=_rel(log["grad_norm"], ref_norm),
             )
         if k == 0:
-            wrong, _, _ = two_term_reference(_model_at(base, before), window, reg_by_tokens=True)
+            wrong, _, _ = two_term_reference(
+                _model_at(base, before), window, PaddingCollator(), REG_WEIGHT, reg_by_tokens=True
+            )
             step["wrong_denominator"] = compare({n: wrong[n] for n in trainable}, reference).relative_error
         payload["steps"].append(step)
     return payload
