@@ -15,6 +15,7 @@ from .errors import (
     GradientsNotReadyError,
     UnsupportedBackendError,
 )
+from .exact import make_exact
 from .loss import IGNORE_INDEX, LossTerm
 from .mixin import GradAccMixin
 from .trainer import GradAccSeq2SeqTrainer, GradAccTrainer
@@ -39,4 +40,5 @@ __all__ = [
     "UnsupportedBackendError",
     "__version__",
     "gradacc_config_class",
+    "make_exact",
 ]

@@ -37,7 +37,7 @@ from .config import GradAccSettings, resolve_settings
 from .data.loader import adjust_training_values, build_train_dataloader, check_train_dataset, fetch_batches, plan_epoch
 from .data.pack import check_packing_support
 from .distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
-from .errors import GradAccConfigError, GradAccUsageError
+from .errors import GradAccConfigError, GradAccLossError, GradAccUsageError
 from .grads import AccumulatedGradHook, GradAccess
 from .heads import Head, seen_token_count
 from .loss import LossTerm, parse_loss_output
@@ -87,8 +87,18 @@ class GradAccMixin:
         # HF_GRADACC_CPU_DISTRIBUTED=1: patch accelerate BEFORE Trainer.__init__ builds the accelerator (patches/)
         patches.maybe_enable_from_env()
         super().__init__(*args, **kwargs)
+        self._setup_gradacc(gradacc_args)
+
+    def _setup_gradacc(self, gradacc_args: Any) -> None:
+        """Everything hf_gradacc adds to a constructed `Trainer`: settings, head, backend, step state, callbacks.
+
+        The ONE setup path, run by ``__init__`` after `Trainer.__init__` and by :func:`~hf_gradacc.make_exact` on a
+        trainer built by someone else. Subclasses with checks of their own (``hf_gradacc.trl``) extend it with
+        ``super()._setup_gradacc(gradacc_args)`` first."""
         self.gradacc = settings = resolve_settings(self.args, gradacc_args)
-        self._custom_compute_loss = type(self).compute_loss is not GradAccMixin.compute_loss
+        # `compute_loss_func` (a Trainer argument) replaces the built-in loss exactly as an override does.
+        self._loss_from_func = type(self).compute_loss is GradAccMixin.compute_loss and self.compute_loss_func is not None
+        self._custom_compute_loss = type(self).compute_loss is not GradAccMixin.compute_loss or self._loss_from_func
         self._custom_training_step = type(self).training_step is not GradAccMixin.training_step
         self.head = Head.for_model(
             self.model,
@@ -377,7 +387,8 @@ class GradAccMixin:
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
-        check = self._loss_check_due and window.index == 0 and self._loss_check is None
+        # a `compute_loss_func` is the user's own loss, called with this micro-batch's count: nothing to compare it with
+        check = self._loss_check_due and window.index == 0 and self._loss_check is None and not self._loss_from_func
         local = window.current_counts.get(self.primary_denominator)
         # An overridden compute_loss gets this micro-batch's own count: a plain `outputs.loss` is then its mean.
         num_items = torch.tensor(local, device=self.args.device) if self._custom_compute_loss else None
@@ -428,6 +439,8 @@ class GradAccMixin:
         ``prepare_decoder_input_ids_from_labels``. Outside a training step (evaluation) the batch's mean loss is
         returned as a tensor, as `Trainer` expects: NaN, with a warning, for a batch without a counted item.
         """
+        if self.compute_loss_func is not None:
+            return self._compute_loss_with_func(model, inputs, return_outputs, num_items_in_batch)
         window = self._window
         training = window is not None and window.index is not None
         check = training and self._loss_check_due and self._loss_check is None and window.index == 0
@@ -438,6 +451,29 @@ class GradAccMixin:
         if not training:  # evaluation / prediction: the batch mean
             result = batch_mean_loss(terms, self.head.count(inputs), self.primary_denominator)
         return (result, outputs) if return_outputs else result
+
+    def _compute_loss_with_func(
+        self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any
+    ) -> Any:
+        """The Trainer argument ``compute_loss_func(outputs, labels, num_items_in_batch=...)``, called as `Trainer`
+        calls it. In training ``num_items_in_batch`` is THIS micro-batch's count (never the step's, never times the
+        processes): a function that divides its sum by it returns the micro-batch's mean, which the window weights by
+        the micro-batch's share of the step, as for a plain ``compute_loss`` override. A
+        :class:`~hf_gradacc.LossTerm` (or a dict of them) is taken as it is."""
+        inputs = dict(inputs)
+        labels = inputs.pop(LABEL_KEY, None)
+        outputs = model(**inputs)
+        loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        try:
+            parse_loss_output(loss)
+        except GradAccLossError as error:
+            raise GradAccLossError(
+                f"`compute_loss_func` ({getattr(self.compute_loss_func, '__name__', self.compute_loss_func)!r}) "
+                f"returned something hf_gradacc cannot normalise: {error}. Return the micro-batch's MEAN as a scalar "
+                "tensor (divide the sum by `num_items_in_batch`, which hf_gradacc sets to this micro-batch's count), "
+                "or hf_gradacc.LossTerm(total=<sum>, normalize_by=\"tokens\" | \"samples\")."
+            ) from error
+        return (loss, outputs) if return_outputs else loss
 
     def sum_loss_from_logits(
         self, logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None

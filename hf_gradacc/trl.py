@@ -68,6 +68,16 @@ except ImportError as _error:  # pragma: no cover - exercised with trl hidden fr
         'pip install "hf_gradacc[trl]"'
     ) from _error
 
+import trl as _trl  # noqa: E402
+
+from .compat import SUPPORTED_VERSIONS, is_supported  # noqa: E402
+
+if not is_supported("trl", _trl.__version__):
+    raise TRLDependencyError(
+        f"hf_gradacc.trl supports trl{SUPPORTED_VERSIONS['trl']}, and trl {_trl.__version__} is installed. Install a "
+        f"supported version with the extra: pip install \"hf_gradacc[trl]\" (or pip install 'trl{SUPPORTED_VERSIONS['trl']}')."
+    )
+
 __all__ = [
     "GradAccDPOConfig",
     "GradAccDPOTrainer",
@@ -324,6 +334,10 @@ class GradAccSFTTrainer(GradAccMixin, SFTTrainer):
     def __init__(self, *args: Any, gradacc_args: Any = None, **kwargs: Any) -> None:
         _check_args_class(kwargs.get("args", args[1] if len(args) > 1 else None), SFTConfig, GradAccSFTConfig)
         super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
+
+    def _setup_gradacc(self, gradacc_args: Any) -> None:
+        """The mixin's setup, then what TRL's SFT cannot do exactly (also run by :func:`~hf_gradacc.make_exact`)."""
+        super()._setup_gradacc(gradacc_args)
         _refuse_uneven_micro_batches(self, rows_gathered=False)
         if self.gradacc.pack_micro_batches and self._is_vision_dataset:
             raise GradAccConfigError(
@@ -421,6 +435,11 @@ class GradAccDPOTrainer(GradAccMixin, DPOTrainer):
         _check_args_class(config, DPOConfig, GradAccDPOConfig)
         _refuse_packed_pairs(type(self).__name__, config, gradacc_args)
         super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
+
+    def _setup_gradacc(self, gradacc_args: Any) -> None:
+        """The mixin's setup, then what TRL's DPO cannot do exactly (also run by :func:`~hf_gradacc.make_exact`)."""
+        _refuse_packed_pairs(type(self).__name__, self.args, gradacc_args)
+        super()._setup_gradacc(gradacc_args)
         _refuse_uneven_micro_batches(self, rows_gathered=True)
         batch_level = sorted(set(self.loss_types) & _BATCH_LEVEL_DPO_LOSSES)
         if batch_level and (self.args.gradient_accumulation_steps > 1 or self.accelerator.num_processes > 1):
@@ -539,6 +558,11 @@ class GradAccRewardTrainer(GradAccMixin, RewardTrainer):
         _check_args_class(config, RewardConfig, GradAccRewardConfig)
         _refuse_packed_pairs(type(self).__name__, config, gradacc_args)
         super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
+
+    def _setup_gradacc(self, gradacc_args: Any) -> None:
+        """The mixin's setup, then the reward trainer's refusals (also run by :func:`~hf_gradacc.make_exact`)."""
+        _refuse_packed_pairs(type(self).__name__, self.args, gradacc_args)
+        super()._setup_gradacc(gradacc_args)
         _refuse_uneven_micro_batches(self, rows_gathered=True)
 
     def get_train_dataloader(self):
@@ -637,6 +661,10 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
     def __init__(self, *args: Any, gradacc_args: Any = None, **kwargs: Any) -> None:
         _check_args_class(kwargs.get("args", args[2] if len(args) > 2 else None), GRPOConfig, GradAccGRPOConfig)
         super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
+
+    def _setup_gradacc(self, gradacc_args: Any) -> None:
+        """The mixin's setup, then GRPO's refusals (also run by :func:`~hf_gradacc.make_exact`)."""
+        super()._setup_gradacc(gradacc_args)
         _refuse_grpo_settings(self)
         _refuse_uneven_micro_batches(self, rows_gathered=True)
 

@@ -24,6 +24,7 @@ EXPECTED_ALL = [
     "UnsupportedBackendError",
     "__version__",
     "gradacc_config_class",
+    "make_exact",
 ]
 PUBLIC_CLASSES = [n for n in EXPECTED_ALL if n[0].isupper() and not n.endswith("Error") and n != "IGNORE_INDEX"]
 
@@ -35,7 +36,7 @@ def test_all_is_frozen() -> None:
         assert hasattr(hf_gradacc, name), name
 
 
-@pytest.mark.parametrize("name", [*PUBLIC_CLASSES, "gradacc_config_class"])
+@pytest.mark.parametrize("name", [*PUBLIC_CLASSES, "gradacc_config_class", "make_exact"])
 def test_public_class_docstring_has_example(name: str) -> None:
     doc = getattr(hf_gradacc, name).__doc__
     assert doc and "Example" in doc, f"{name} docstring lacks an `Example:` section"
