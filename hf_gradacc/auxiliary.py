@@ -59,9 +59,18 @@ def model_aux_terms(model: nn.Module, outputs: Any, num_input_tokens: int) -> di
         # {"aux": LossTerm(total=coef * aux * routed, normalize_by="input_tokens")}
         ```
     """
+    return {
+        name: LossTerm(total=value * (coef * num_input_tokens), normalize_by="input_tokens")
+        for name, value, coef in _router_losses(model, outputs)
+    }
+
+
+def _router_losses(model: nn.Module, outputs: Any) -> list[tuple[str, torch.Tensor, float]]:
+    """``(term name, the scalar router loss, its coefficient)`` for each router loss in ``outputs`` with a non-zero
+    coefficient."""
     if not isinstance(outputs, Mapping):
-        return {}
-    terms: dict[str, LossTerm] = {}
+        return []
+    found = []
     for key, (name, coefficient_names) in AUX_OUTPUTS.items():
         value = outputs.get(key)
         if not torch.is_tensor(value):
@@ -73,8 +82,47 @@ def model_aux_terms(model: nn.Module, outputs: Any, num_input_tokens: int) -> di
                 "loss is unknown. Override `compute_loss` and return the terms as hf_gradacc.LossTerms, or turn "
                 "`output_router_logits` off."
             )
-        if coef == 0.0:
+        if coef != 0.0:
+            found.append((name, value.reshape(()), coef))
+    return found
+
+
+def split_model_loss(
+    model: nn.Module,
+    plain: torch.Tensor,
+    outputs_seen: list[Any],
+    *,
+    main_count: int,
+    main_denominator: str,
+    num_input_tokens: int,
+) -> dict[str, LossTerm] | None:
+    """A plain loss an overridden ``compute_loss`` returned that IS a mixture-of-experts model's own ``outputs.loss``
+    (equal in value to the loss of one of the forward passes in ``outputs_seen``), split into its terms: the head's
+    loss as the mean over the micro-batch's ``main_count`` counted items (``LossTerm(mean x count,
+    main_denominator)``) and each router term by the rule above. None when ``plain`` is no such model's loss, or the
+    model returned no router loss (then a plain mean is exact as it is).
+
+    Frameworks return ``outputs.loss``: read whole as a mean over target tokens, its ``coef x aux`` part would be
+    weighted by target tokens instead of routed tokens.
+
+    Example:
+        ```python
+        outputs = mixtral(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        terms = split_model_loss(mixtral, outputs.loss, [outputs], main_count=num_targets, main_denominator="tokens",
+                                 num_input_tokens=int(mask.sum()))
+        # {"main": LossTerm(ce_mean * num_targets, "tokens"), "aux": LossTerm(coef * aux * routed, "input_tokens")}
+        ```
+    """
+    for outputs in outputs_seen:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
+        if not (torch.is_tensor(loss) and loss.numel() == 1 and torch.equal(loss.detach().reshape(()), plain.detach())):
             continue
-        total = value.reshape(()) * (coef * num_input_tokens)
-        terms[name] = LossTerm(total=total, normalize_by="input_tokens")
-    return terms
+        routers = _router_losses(model, outputs)
+        if not routers:
+            return None
+        main_mean = plain - sum(coef * value for _, value, coef in routers)
+        main = main_mean * main_count if main_count else plain.new_zeros(())  # no counted item: 0/0 in the model
+        terms = {"main": LossTerm(total=main, normalize_by=main_denominator)}
+        terms.update(model_aux_terms(model, outputs, num_input_tokens))
+        return terms
+    return None

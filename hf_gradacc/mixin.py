@@ -27,6 +27,7 @@ from transformers.trainer_utils import has_length
 from transformers.utils import logging
 
 from . import patches
+from .auxiliary import split_model_loss
 from .backends import Backend, resolve_backend
 from .builtin_loss import MAIN_TERM, batch_mean_loss, builtin_loss, model_mean_loss
 from .callbacks.base import GradAccCallback
@@ -40,7 +41,7 @@ from .distributed import apply_ddp_timeout, collective_failure, finish_distribut
 from .errors import GradAccConfigError, GradAccLossError, GradAccUsageError
 from .grads import AccumulatedGradHook, GradAccess
 from .heads import Head, seen_token_count
-from .loss import LossTerm, parse_loss_output
+from .loss import LossOutput, LossTerm, parse_loss_output
 from .nonfinite import poison_nonfinite
 from .schedule import scheduled_training_values
 from .step import DATA_RAN_OUT, open_window, optimizer_step, train_window
@@ -99,6 +100,7 @@ class GradAccMixin:
         # `compute_loss_func` (a Trainer argument) replaces the built-in loss exactly as an override does.
         self._loss_from_func = type(self).compute_loss is GradAccMixin.compute_loss and self.compute_loss_func is not None
         self._custom_compute_loss = type(self).compute_loss is not GradAccMixin.compute_loss or self._loss_from_func
+        self._plain_override = self._custom_compute_loss and not self._loss_from_func
         self._custom_training_step = type(self).training_step is not GradAccMixin.training_step
         self.head = Head.for_model(
             self.model,
@@ -393,10 +395,18 @@ class GradAccMixin:
         # An overridden compute_loss gets this micro-batch's own count: a plain `outputs.loss` is then its mean.
         num_items = torch.tensor(local, device=self.args.device) if self._custom_compute_loss else None
         untouched = dict(inputs) if check else None  # an override may pop the labels the check needs
-        with self.compute_loss_context_manager():
-            raw = self.compute_loss(
-                model, inputs, return_outputs=check and not self._custom_compute_loss, num_items_in_batch=num_items
-            )
+        # An override's forward outputs, to recognise a returned `outputs.loss` that holds router terms (below).
+        seen: list[Any] = []
+        unwrapped = self.accelerator.unwrap_model(model) if self._plain_override else None
+        hook = unwrapped.register_forward_hook(lambda _m, _a, out: seen.append(out)) if unwrapped is not None else None
+        try:
+            with self.compute_loss_context_manager():
+                raw = self.compute_loss(
+                    model, inputs, return_outputs=check and not self._custom_compute_loss, num_items_in_batch=num_items
+                )
+        finally:
+            if hook is not None:
+                hook.remove()
         parsed = parse_loss_output(raw)
         if check:
             self._loss_check = start_up_check(
@@ -404,6 +414,15 @@ class GradAccMixin:
                 label_smoothing=self.head.label_smoothing, dp_world_size=self.backend.dp_world_size,
                 model_mean=partial(model_mean_loss, self.accelerator.unwrap_model(model), untouched),
             )  # fmt: skip
+        if seen and parsed.plain is not None:
+            # A mixture-of-experts model's own loss (CE mean + coef x aux): its router terms weighted by routed tokens.
+            terms = split_model_loss(
+                unwrapped, parsed.plain, seen, main_count=local, main_denominator=self.primary_denominator,
+                num_input_tokens=window.current_counts.num_input_tokens,
+            )  # fmt: skip
+            if terms is not None:
+                parsed = LossOutput(terms=terms, outputs=parsed.outputs)
+        seen.clear()  # the outputs are not kept through the backward pass
         del inputs
         parts = window.normalized_terms(parsed, primary=self.primary_denominator, warn_on_plain_loss=self.gradacc.warn_on_plain_loss)
         window.add_term_totals(parts)
