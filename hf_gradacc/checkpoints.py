@@ -1,16 +1,30 @@
-"""Resuming from the newest checkpoint that was saved completely.
+"""Resuming only from a checkpoint that can be resumed: every file the resume reads is there, for every rank, and
+readable.
 
-`Trainer._save_checkpoint` writes the model, the optimizer, the scheduler and the RNG states, then
-``trainer_state.json`` LAST. A run killed while saving leaves a ``checkpoint-N`` folder without a readable
-``trainer_state.json``; `transformers.trainer_utils.get_last_checkpoint` still picks it (the highest N), and
-``train(resume_from_checkpoint=True)`` then fails deep inside loading, or resumes from half-written files.
+`Trainer._save_checkpoint` writes the model, the optimizer, the scheduler and one RNG state per rank (each rank its
+own), then ``trainer_state.json`` from the main process, with no barrier in between. A run killed while saving can
+leave a ``checkpoint-N`` folder whose ``trainer_state.json`` parses while another rank's ``rng_state_1.pth`` is
+missing, or whose ``model.safetensors`` / ``optimizer.pt`` is truncated; `transformers.trainer_utils.get_last_checkpoint`
+still picks it (the highest N). The stock resume then fails deep inside loading with a raw safetensors / zip error, or
+resumes silently with fresh optimizer moments (it loads ``optimizer.pt`` only when the file is there).
+
+hf_gradacc brackets each save with two markers (:func:`checkpoint_save`): ``hf_gradacc_saving`` first, then, after
+every rank saved (a barrier), ``hf_gradacc_complete.json`` LAST, listing every file of the folder with its size.
+Older checkpoints are rotated away (``save_total_limit``) only after the new one's marker is written, so a kill at
+any point leaves the old checkpoint or a complete new one. :func:`checkpoint_problems` checks a folder against its
+marker (or, for a checkpoint saved without hf_gradacc, against what the resume reads) and reads the header of every
+file: the safetensors header, the zip directory of a ``torch.save`` file, the whole of a JSON file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import zipfile
+from collections.abc import Iterator
+from typing import Any
 
 from transformers.utils import logging
 
@@ -20,10 +34,22 @@ logger = logging.get_logger(__name__)
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE_NAME = "trainer_state.json"
+SAVING_NAME = "hf_gradacc_saving"  # written first: hf_gradacc is saving this folder
+COMPLETE_NAME = "hf_gradacc_complete.json"  # written last, after every rank saved: the folder's files and sizes
+_MARKERS = (SAVING_NAME, COMPLETE_NAME, f".{COMPLETE_NAME}.tmp")
+# What `Trainer._load_from_checkpoint` accepts as model weights (full, sharded, PEFT adapter, FSDP, DeepSpeed).
+_WEIGHTS = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+    "adapter_model.safetensors", "adapter_model.bin", "pytorch_model_fsdp.bin",
+)  # fmt: skip
+_OPTIMIZER = ("optimizer.pt", "optimizer.bin")
+_SCHEDULER = "scheduler.pt"
+_TORCH_SAVE = (".pt", ".pth", ".bin")
 
 
 def is_complete_checkpoint(path: str) -> bool:
-    """Whether ``path`` holds a ``trainer_state.json`` that parses (the Trainer writes it last)."""
+    """Whether ``path`` holds a ``trainer_state.json`` that parses (enough to PLOT a run; to resume from a folder use
+    :func:`checkpoint_problems`)."""
     try:
         with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
             state = json.load(f)
@@ -32,32 +58,242 @@ def is_complete_checkpoint(path: str) -> bool:
     return isinstance(state, dict) and "global_step" in state
 
 
-def latest_complete_checkpoint(output_dir: str) -> str:
-    """The ``checkpoint-N`` folder of ``output_dir`` with the highest N that was saved completely; newer incomplete
-    ones are passed over with a warning. Raises :class:`~hf_gradacc.GradAccConfigError` when there is none.
+# ---------------------------------------------------------------------------------------------- reading headers
+def file_problem(path: str) -> str | None:
+    """Why the file at ``path`` cannot be read (missing, truncated, not what its name says), or None. Reads only the
+    header of a safetensors file, the zip directory of a ``torch.save`` file, the whole of a JSON file."""
+    name = os.path.basename(path)
+    if not os.path.isfile(path):
+        return f"{name} is missing"
+    try:
+        if name.endswith(".safetensors"):
+            return _safetensors_problem(path)
+        if name.endswith(_TORCH_SAVE):
+            with zipfile.ZipFile(path) as archive:  # reads the central directory, written last by torch.save
+                archive.infolist()
+            return None
+        if name.endswith(".json"):
+            with open(path) as f:
+                json.load(f)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
+        return f"{name} is unreadable ({type(error).__name__}: {error})"
+    return None
+
+
+def _safetensors_problem(path: str) -> str | None:
+    name, size = os.path.basename(path), os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        header_size = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if header_size < 0 or 8 + header_size > size:
+            return f"{name} is truncated ({size} bytes: no complete safetensors header)"
+        header = json.loads(f.read(header_size))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_size + end > size:
+        return f"{name} is truncated ({size} bytes where its header describes {8 + header_size + end})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- one folder
+def _listing(path: str) -> dict[str, int]:
+    """Every file under ``path`` (relative names, markers excluded) and its size."""
+    files = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, path)
+            if rel not in _MARKERS and os.path.isfile(full):
+                files[rel] = os.path.getsize(full)
+    return files
+
+
+def _resume_needs(path: str, files: dict[str, int], world_size: int) -> list[str]:
+    """What the resume reads and is not in ``files``: the trainer state, the model weights, the optimizer state (the
+    stock resume silently starts with fresh moments without it) and the scheduler, one RNG state per rank."""
+    missing = []
+    if TRAINER_STATE_NAME not in files:
+        missing.append(f"{TRAINER_STATE_NAME} is missing")
+    deepspeed_dir = _deepspeed_dir(path)
+    sharded = [d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))]
+    if not any(n in files for n in _WEIGHTS) and deepspeed_dir is None and not any("pytorch_model_fsdp" in d for d in sharded):
+        missing.append(f"the model weights are missing (none of {list(_WEIGHTS[:2])})")
+    if deepspeed_dir is None:
+        if not any(n in files for n in _OPTIMIZER) and not any(d.startswith("optimizer") for d in sharded):
+            missing.append(
+                "optimizer.pt is missing (the stock resume would start with fresh optimizer moments, silently; "
+                "a checkpoint saved with `save_only_model=True` cannot be resumed)"
+            )
+        elif _SCHEDULER not in files:
+            missing.append(f"{_SCHEDULER} is missing (the stock resume then loads neither the optimizer nor the scheduler)")
+    rng = [n for n in files if re.fullmatch(r"rng_state(_\d+)?\.pth", n)]
+    if world_size > 1 and any(n != "rng_state.pth" for n in rng):
+        missing += [f"rng_state_{r}.pth is missing" for r in range(world_size) if f"rng_state_{r}.pth" not in files]
+    return missing
+
+
+def _deepspeed_dir(path: str) -> str | None:
+    """The ``global_stepN`` folder a DeepSpeed checkpoint's ``latest`` file names, or None."""
+    try:
+        with open(os.path.join(path, "latest")) as f:
+            tag = f.read().strip()
+    except OSError:
+        return None
+    return tag or None
+
+
+def checkpoint_problems(path: str, *, world_size: int = 1) -> list[str]:
+    """Why the checkpoint folder ``path`` cannot be resumed (each problem names its file), or ``[]`` when every file
+    the resume reads is there and readable.
+
+    A folder saved by hf_gradacc is checked against its ``hf_gradacc_complete.json`` (every file it lists there, with
+    its size); one whose save started and never finished (``hf_gradacc_saving`` without the marker) is incomplete.
+    A folder saved by the stock Trainer is checked against what the resume reads, with ``world_size`` ranks.
+
+    Example:
+        ```python
+        assert not checkpoint_problems("out/checkpoint-500", world_size=2)
+        ```
+    """
+    if not os.path.isdir(path):
+        return [f"{path} is not a folder"]
+    marker = os.path.join(path, COMPLETE_NAME)
+    if os.path.isfile(marker):
+        try:
+            with open(marker) as f:
+                files = dict(json.load(f)["files"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            return [f"{COMPLETE_NAME} is unreadable ({type(error).__name__}: {error})"]
+        problems = _resume_needs(path, files, world_size=1)  # the marker lists every rank's files
+    else:
+        problems = []
+        if os.path.isfile(os.path.join(path, SAVING_NAME)):
+            problems.append(f"the save never finished ({SAVING_NAME} without {COMPLETE_NAME}: the run was likely "
+                            "killed while saving)")  # fmt: skip
+        files = _listing(path)
+        problems += _resume_needs(path, files, world_size)
+    for rel, size in files.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            problems.append(f"{rel} is missing")
+        elif os.path.getsize(full) != size:
+            problems.append(f"{rel} has {os.path.getsize(full)} bytes where the save wrote {size}")
+        elif problem := file_problem(full):
+            problems.append(problem if os.sep not in rel else problem.replace(os.path.basename(rel), rel, 1))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------- choosing one
+def _checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    found = ((m, name) for name in names if (m := _CHECKPOINT.match(name)))
+    return sorted((int(m.group(1)), name) for m, name in found if os.path.isdir(os.path.join(output_dir, name)))
+
+
+def _agreed(problems: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Every rank's problems with each folder, merged (a file missing on one rank's disk is missing): the ranks agree
+    on the checkpoint to resume from."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return problems
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    merged: dict[str, list[str]] = {}
+    for rank, seen in enumerate(gathered):
+        for name, found in seen.items():
+            merged.setdefault(name, [])
+            merged[name] += [p if rank == 0 else f"{p} (rank {rank})" for p in found if p not in merged[name]]
+    return merged
+
+
+def latest_complete_checkpoint(output_dir: str, *, world_size: int = 1) -> str:
+    """The ``checkpoint-N`` folder of ``output_dir`` with the highest N that can be resumed (no
+    :func:`checkpoint_problems` on any rank); newer ones are passed over with a warning naming the missing or broken
+    file. Raises :class:`~hf_gradacc.GradAccConfigError` when there is none.
 
     Example:
         ```python
         trainer.train(resume_from_checkpoint=latest_complete_checkpoint(args.output_dir))
         ```
     """
-    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    steps = sorted(
-        (int(m.group(1)), name) for name in names if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))
-    )
+    steps = _checkpoints(output_dir)
+    problems = _agreed({name: checkpoint_problems(os.path.join(output_dir, name), world_size=world_size)
+                        for _, name in steps})  # fmt: skip
     skipped = []
     for _, name in reversed(steps):
-        path = os.path.join(output_dir, name)
-        if is_complete_checkpoint(path):
+        if not problems[name]:
+            path = os.path.join(output_dir, name)
             if skipped:
                 logger.warning(
-                    f"Resuming from {path}: the newer {skipped} were not saved completely (no readable "
-                    f"{TRAINER_STATE_NAME}, which the Trainer writes last: the run was likely killed while saving)."
+                    f"Resuming from {path}: the newer {[n for n, _ in skipped]} cannot be resumed ("
+                    + "; ".join(f"{n}: {', '.join(p)}" for n, p in skipped)
+                    + "): not saved completely, the run was likely killed while saving."
                 )
             return path
-        skipped.append(name)
+        skipped.append((name, problems[name]))
     raise GradAccConfigError(
         f"`resume_from_checkpoint=True` found no complete checkpoint in `output_dir` ({output_dir!r})"
-        + (f"; incomplete ones: {skipped}" if skipped else "")
+        + (f"; incomplete ones: {'; '.join(f'{n}: {chr(44).join(p)}' for n, p in skipped)}" if skipped else "")
         + ". Pass a checkpoint folder, or start without `resume_from_checkpoint`."
     )
+
+
+def resolve_resume(value: str | bool | None, output_dir: str, *, world_size: int = 1) -> str | bool | None:
+    """What `Trainer.train` gets for ``resume_from_checkpoint``: ``True`` becomes the newest complete checkpoint;
+    a folder is checked and refused with :class:`~hf_gradacc.GradAccConfigError` naming the missing or broken file
+    when it cannot be resumed; anything else passes through."""
+    if value is True:
+        return latest_complete_checkpoint(output_dir, world_size=world_size)
+    if not isinstance(value, (str, os.PathLike)):
+        return value
+    path = os.fspath(value)
+    problems = _agreed({path: checkpoint_problems(path, world_size=world_size)})[path]
+    if problems:
+        raise GradAccConfigError(
+            f"`resume_from_checkpoint` ({path!r}) cannot be resumed: {'; '.join(problems)}. Resume from an older "
+            "checkpoint (`resume_from_checkpoint=True` picks the newest complete one), or start without it."
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- saving
+def _write_marker(folder: str) -> None:
+    """``hf_gradacc_complete.json``, atomically (a temporary file renamed), listing every file and its size."""
+    files = _listing(folder)
+    temporary = os.path.join(folder, f".{COMPLETE_NAME}.tmp")
+    with open(temporary, "w") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, os.path.join(folder, COMPLETE_NAME))
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(folder, SAVING_NAME))
+
+
+@contextlib.contextmanager
+def checkpoint_save(trainer: Any, trial: Any) -> Iterator[None]:
+    """Around `Trainer._save_checkpoint`: ``hf_gradacc_saving`` first; after every rank saved (a barrier) the
+    marker ``hf_gradacc_complete.json`` LAST; only then older checkpoints rotated away (``save_total_limit``), so a
+    kill at any point leaves the old checkpoint or a complete new one."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+    args = trainer.args
+    run_dir = trainer._get_output_dir(trial=trial)
+    folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    if args.should_save:
+        os.makedirs(folder, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, COMPLETE_NAME))  # saved again: no longer complete until this save ends
+        with open(os.path.join(folder, SAVING_NAME), "w") as f:
+            f.write("hf_gradacc is saving this checkpoint; it is complete once hf_gradacc_complete.json is here\n")
+    limit = args.save_total_limit
+    args.save_total_limit = None  # rotate only once the new checkpoint is complete
+    try:
+        yield
+    finally:
+        args.save_total_limit = limit
+    trainer.accelerator.wait_for_everyone()  # every rank's files (RNG state, shards) are written
+    if args.should_save:
+        _write_marker(folder)
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)  # fmt: skip

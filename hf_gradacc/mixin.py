@@ -32,7 +32,7 @@ from .backends import Backend, resolve_backend
 from .builtin_loss import MAIN_TERM, batch_mean_loss, builtin_loss, model_mean_loss
 from .callbacks.base import GradAccCallback
 from .callbacks.batchnorm import batchnorm_callback_for
-from .checkpoints import latest_complete_checkpoint
+from .checkpoints import checkpoint_save, resolve_resume
 from .checks import start_up_check
 from .config import GradAccSettings, resolve_settings
 from .data.loader import adjust_training_values, build_train_dataloader, check_train_dataset, fetch_batches, plan_epoch
@@ -259,11 +259,17 @@ class GradAccMixin:
         return window
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """`Trainer.train`; ``resume_from_checkpoint=True`` takes the newest checkpoint that was saved COMPLETELY
-        (:func:`~hf_gradacc.checkpoints.latest_complete_checkpoint`), passing over a save that was killed midway."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
+        """`Trainer.train`; ``resume_from_checkpoint=True`` takes the newest checkpoint that can be resumed
+        (:func:`~hf_gradacc.checkpoints.latest_complete_checkpoint`), passing over a save that was killed midway; a
+        named folder that cannot be resumed is refused, naming the missing or broken file."""
+        resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir, world_size=self.args.world_size)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """`Trainer._save_checkpoint`, bracketed so that a kill at any point leaves the old checkpoint or a complete
+        new one (:func:`~hf_gradacc.checkpoints.checkpoint_save`: a marker written last, rotation after it)."""
+        with checkpoint_save(self, trial):
+            super()._save_checkpoint(model, trial)
 
     # ------------------------------------------------------------------ the loop: one window per optimizer step
     def _run_epoch(

@@ -1,0 +1,186 @@
+"""Complete means resumable: a checkpoint is taken only when every file the resume reads is there, for every rank, and
+readable; a kill at any point of a save leaves the old checkpoint or a complete new one (property over kill points).
+
+A kill is simulated on the files of a real save: the folder holds the first ``k`` files of the save's write order,
+the next one cut short (or not at all), and no marker unless the save got past its barrier. The 2-rank case adds rank
+1's ``rng_state_1.pth`` at any place in rank 0's order (the ranks write in parallel), and a kill of rank 1 alone (rank
+0 writes everything but never passes the barrier that comes before the marker).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from hf_gradacc import GradAccConfigError, GradAccTrainer
+from hf_gradacc import checkpoints as ckpt
+from hf_gradacc.checkpoints import COMPLETE_NAME, SAVING_NAME, checkpoint_problems, latest_complete_checkpoint
+from hf_gradacc.testing.one_step import one_step_args
+from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+
+BS, GA, STEPS = 2, 2, 3
+# The order `Trainer._save_checkpoint` writes in (save_model, optimizer and scheduler, RNG, trainer state).
+WRITE_ORDER = ("model.safetensors", "config.json", "generation_config.json", "training_args.bin", "optimizer.pt",
+               "scheduler.pt", "rng_state.pth", "trainer_state.json")  # fmt: skip
+
+
+def _trainer(out: str, **overrides) -> GradAccTrainer:
+    args = one_step_args(out, per_device_train_batch_size=BS, gradient_accumulation_steps=GA, max_steps=-1,
+                         num_train_epochs=1, save_strategy="steps", save_steps=1, optim="adamw_torch",
+                         learning_rate=1e-2, **overrides)  # fmt: skip
+    samples = make_samples("causal_lm", BS * GA * STEPS, seed=21)
+    return GradAccTrainer(model=build_tiny_model("causal_lm"), args=args, train_dataset=ListDataset(samples),
+                          data_collator=PaddingCollator())  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
+    """A run of 3 steps saving each step: its output_dir and its final parameters."""
+    out = str(tmp_path_factory.mktemp("saved"))
+    trainer = _trainer(out)
+    trainer.train()
+    return out, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def _write_killed(saved_ckpt: str, folder: str, order: list[str], written: int, cut: float | None, marked: bool,
+                  files: dict[str, bytes]) -> None:  # fmt: skip
+    """``folder`` as a save killed after ``written`` files of ``order`` (the next one cut to ``cut`` of its size)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    if marked:
+        open(os.path.join(folder, SAVING_NAME), "w").close()
+    for name in order[:written]:
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(files[name])
+    if cut is not None and written < len(order):
+        data = files[order[written]]
+        with open(os.path.join(folder, order[written]), "wb") as f:
+            f.write(data[: int(len(data) * cut)])
+    if marked and written == len(order):
+        ckpt._write_marker(folder)
+
+
+def _files(checkpoint: str, ranks: int) -> dict[str, bytes]:
+    files = {}
+    for name in WRITE_ORDER:
+        with open(os.path.join(checkpoint, name), "rb") as f:
+            files[name] = f.read()
+    if ranks == 2:
+        files["rng_state_0.pth"] = files["rng_state_1.pth"] = files.pop("rng_state.pth")
+    return files
+
+
+def test_a_save_leaves_its_marker_and_every_checkpoint_resumable(saved) -> None:
+    out, _ = saved
+    for step in range(1, STEPS + 1):
+        folder = os.path.join(out, f"checkpoint-{step}")
+        assert os.path.isfile(os.path.join(folder, COMPLETE_NAME)) and not os.path.exists(os.path.join(folder, SAVING_NAME))
+        listed = json.load(open(os.path.join(folder, COMPLETE_NAME)))["files"]
+        assert set(listed) == set(WRITE_ORDER), listed
+        assert checkpoint_problems(folder) == []
+    assert latest_complete_checkpoint(out).endswith(f"checkpoint-{STEPS}")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("marked", [True, False], ids=["hf_gradacc_save", "stock_save"])
+def test_a_kill_at_any_point_leaves_the_old_checkpoint_or_a_complete_new_one(saved, tmp_path, ranks, marked, caplog) -> None:
+    out, _ = saved
+    files = _files(os.path.join(out, "checkpoint-2"), ranks)
+    shutil.copytree(os.path.join(out, "checkpoint-1"), tmp_path / "checkpoint-1")
+    if ranks == 2:  # checkpoint-1 as 2 ranks wrote it
+        old = tmp_path / "checkpoint-1"
+        os.replace(old / "rng_state.pth", old / "rng_state_0.pth")
+        shutil.copy(old / "rng_state_0.pth", old / "rng_state_1.pth")
+        ckpt._write_marker(str(old))
+    rank0 = [n if n != "rng_state.pth" or ranks == 1 else "rng_state_0.pth" for n in WRITE_ORDER]
+    orders = [rank0] if ranks == 1 else [rank0[:i] + ["rng_state_1.pth"] + rank0[i:] for i in range(len(rank0) + 1)]
+    new = str(tmp_path / "checkpoint-2")
+    seen = 0
+    for order in orders:
+        for written in range(len(order) + 1):
+            for cut in (None, 0.0, 0.5):
+                if cut is not None and written == len(order):
+                    continue
+                _write_killed(out, new, order, written, cut, marked, files)
+                caplog.clear()
+                with caplog.at_level(logging.WARNING):
+                    chosen = latest_complete_checkpoint(str(tmp_path), world_size=ranks)
+                complete = written == len(order)
+                assert chosen.endswith("checkpoint-2" if complete else "checkpoint-1"), (order, written, cut)
+                assert checkpoint_problems(chosen, world_size=ranks) == []
+                if not complete:  # the warning names the file that is missing or broken
+                    message = " ".join(r.getMessage() for r in caplog.records)
+                    named = any(n in message for n in order[written:]) or (marked and SAVING_NAME in message)
+                    assert "checkpoint-2" in message and named, (order[written:], message)
+                seen += 1
+    if ranks == 2 and marked:  # rank 1 killed: rank 0 wrote all its files, the barrier before the marker never passed
+        _write_killed(out, new, rank0, len(rank0), None, False, files)
+        open(os.path.join(new, SAVING_NAME), "w").close()
+        assert latest_complete_checkpoint(str(tmp_path), world_size=2).endswith("checkpoint-1")
+    assert seen >= len(WRITE_ORDER) * 3
+
+
+def test_a_killed_save_resumes_from_the_old_checkpoint_exactly(saved, tmp_path, monkeypatch) -> None:
+    """A save killed after every file but before the marker, with ``save_total_limit=1``: the older checkpoint is
+    still there (rotation waits for the marker), the resume takes it and ends with the uninterrupted run's weights."""
+    _, final = saved
+    out = str(tmp_path / "run")
+    calls = {"n": 0}
+    write_marker = ckpt._write_marker
+
+    def killed_at_the_second_marker(folder: str) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed while saving")
+        write_marker(folder)
+
+    monkeypatch.setattr(ckpt, "_write_marker", killed_at_the_second_marker)
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(out, save_total_limit=1).train()
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-2"]
+    monkeypatch.setattr(ckpt, "_write_marker", write_marker)
+    resumed = _trainer(out, save_total_limit=1)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == STEPS
+    for name, param in resumed.model.named_parameters():
+        torch.testing.assert_close(param.detach(), final[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (lambda d: os.remove(os.path.join(d, "optimizer.pt")), "optimizer.pt is missing"),
+        (lambda d: _truncate(os.path.join(d, "model.safetensors")), "model.safetensors has"),
+        (lambda d: _truncate(os.path.join(d, "trainer_state.json")), "trainer_state.json has"),
+        (lambda d: os.remove(os.path.join(d, COMPLETE_NAME)) or _truncate(os.path.join(d, "optimizer.pt")),
+         "optimizer.pt is unreadable"),
+        (lambda d: os.remove(os.path.join(d, COMPLETE_NAME)) or _truncate(os.path.join(d, "model.safetensors")),
+         "model.safetensors is truncated"),
+        (lambda d: os.remove(os.path.join(d, COMPLETE_NAME)) or _truncate(os.path.join(d, "trainer_state.json")),
+         "trainer_state.json is unreadable"),
+        (lambda d: os.remove(os.path.join(d, COMPLETE_NAME)) or os.remove(os.path.join(d, "optimizer.pt")),
+         "save_only_model"),
+    ],
+    ids=["no_optimizer", "short_weights", "short_state", "stock_short_optimizer", "stock_short_weights",
+         "stock_short_state", "stock_no_optimizer"],
+)
+def test_an_explicit_checkpoint_that_cannot_be_resumed_is_a_clear_error(saved, tmp_path, damage, named) -> None:
+    out, _ = saved
+    folder = str(tmp_path / "checkpoint-2")
+    shutil.copytree(os.path.join(out, "checkpoint-2"), folder)
+    damage(folder)
+    with pytest.raises(GradAccConfigError) as info:
+        _trainer(str(tmp_path)).train(resume_from_checkpoint=folder)
+    assert named in str(info.value) and folder in str(info.value) and "resume_from_checkpoint=True" in str(info.value)
+
+
+def _truncate(path: str) -> None:
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
