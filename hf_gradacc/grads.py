@@ -146,17 +146,21 @@ class GradAccess:
             )
         return self._trainer.backend.running_grad_sq_norm([p for _, p in self.named_parameters()])
 
-    def run_hooks(self, hooks: list[tuple[AccumulatedGradHook, bool]]) -> None:
+    def run_hooks(self, hooks: list[tuple[AccumulatedGradHook, bool]]) -> torch.Tensor | None:
         """Call every registered accumulated-gradient hook on every trainable parameter, in one order on every rank;
-        a full gradient a hook changed is written back into the backend's storage."""
+        a full gradient a hook changed is written back into the backend's storage. Returns whether a hook left a
+        non-finite value in what it was given (a 0-d bool tensor, no device sync; None without hooks): under ZeRO a
+        NaN written into another rank's partition never reaches the norm, yet the step must be dropped."""
         if not hooks:
-            return
+            return None
         backend = self._trainer.backend
+        nonfinite = None
         for name, param in self.named_parameters():
             for hook, local in hooks:
-                if local:
-                    hook(name, backend.local_grad(param))
-                else:
-                    grad = backend.full_grad(param)
-                    hook(name, grad)
+                grad = backend.local_grad(param) if local else backend.full_grad(param)
+                hook(name, grad)
+                if not local:
                     backend.write_full_grad(param, grad)
+                bad = ~torch.isfinite(grad).all()
+                nonfinite = bad if nonfinite is None else nonfinite | bad
+        return nonfinite

@@ -1,11 +1,13 @@
-"""Non-finite optimizer steps (``nonfinite_steps``): every rank sees the same verdict without an extra collective.
+"""Non-finite optimizer steps (``nonfinite_steps``): every rank takes the same verdict.
 
 Each backward pass's loss is multiplied by 1 when it is finite and by NaN when it is not (:func:`poison_nonfinite`,
 a tensor operation: no device sync). A non-finite loss on any micro-batch of any rank therefore makes that rank's
-gradient NaN; the step's gradient reduction spreads it to every rank, and the global gradient norm that the step
-computes anyway (replicated on DDP, all-reduced on DeepSpeed and FSDP2) is non-finite on every rank alike. That norm
-is the one verdict: ``skip`` drops the step on every rank, ``raise`` stops every rank, ``propagate`` takes the step
-as the stock Trainer would.
+gradient NaN, and the step's gradient reduction spreads it to every rank. But what runs AFTER the reduction (an
+accumulated-gradient hook, an ``on_accumulated_grads`` callback, a ``training_step`` override) can write NaN on one
+rank only, where DDP's norm is computed from the local replica: the ranks would decide apart (one steps, one skips)
+and the next collective mismatches (gloo aborts). So the verdict is taken from the global gradient norm after the
+hooks, agreed across ranks with one scalar all-reduce per step (:func:`agreed_nonfinite`): ``skip`` drops the step on
+every rank, ``raise`` stops every rank, ``propagate`` takes the step as the stock Trainer would.
 """
 
 from __future__ import annotations
@@ -44,13 +46,41 @@ def describe(step: int, rank: int, bad: list[int], grad_norm: float) -> str:
     return f"Optimizer step {step}: {where}"
 
 
-def must_skip(policy: str, grad_norm: torch.Tensor | float, *, step: int, rank: int, losses: list[torch.Tensor]) -> bool:
+def agreed_nonfinite(grad_norm: torch.Tensor | float, hooks_nonfinite: torch.Tensor | None = None) -> tuple[bool, bool]:
+    """(non-finite on any rank, on this rank): this rank's verdict is its norm, or a non-finite value an
+    accumulated-gradient hook left (``hooks_nonfinite``); one scalar all-reduce of that flag over the default process
+    group (none on a single process)."""
+    import torch.distributed as dist
+
+    norm = torch.as_tensor(grad_norm).detach().reshape(-1)[:1]
+    flag = ~torch.isfinite(norm)
+    if hooks_nonfinite is not None:
+        flag = flag | hooks_nonfinite.to(flag.device).reshape(1)
+    flag = flag.to(torch.float32)
+    local = bool(flag.item())
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag)  # SUM of flags: never loses a NaN the way a MAX of norms can
+    return bool(flag.item()), local
+
+
+def must_skip(policy: str, grad_norm: torch.Tensor | float, *, step: int, rank: int, losses: list[torch.Tensor],
+              hooks_nonfinite: torch.Tensor | None = None) -> bool:  # fmt: skip
     """True when the step must be dropped (``skip``: a warning names the step, this rank and its non-finite
-    micro-batches), after raising :class:`~hf_gradacc.NonFiniteStepError` for ``raise``; False to take the step."""
-    norm = float(grad_norm)
-    if policy == "propagate" or math.isfinite(norm):
+    micro-batches), after raising :class:`~hf_gradacc.NonFiniteStepError` for ``raise``; False to take the step. The
+    verdict is the same on every rank (:func:`agreed_nonfinite`)."""
+    if policy == "propagate":
         return False
+    anywhere, here = agreed_nonfinite(grad_norm, hooks_nonfinite)
+    if not anywhere:
+        return False
+    norm = float(grad_norm)
     message = describe(step, rank, nonfinite_micro_batches(losses), norm)
+    if here and math.isfinite(norm):
+        message = (f"Optimizer step {step}: an accumulated-gradient hook left rank {rank}'s gradient not finite "
+                   f"(NaN/Inf where the norm, {norm}, does not show it: another rank's ZeRO partition)")  # fmt: skip
+    elif not here:
+        message = (f"Optimizer step {step}: the accumulated gradient is not finite on another rank (written after the "
+                   f"reduction: a gradient hook, a callback or a `training_step` override); this rank's norm is {norm}")  # fmt: skip
     if policy == "raise":
         raise NonFiniteStepError(
             f"{message}. `nonfinite_steps='raise'` stops every rank here; set it to 'skip' to drop such steps."

@@ -181,13 +181,15 @@ def optimizer_step(trainer: GradAccMixin, window: Window) -> tuple[torch.Tensor,
     the learning rate the step used, or None for a non-finite step dropped on every rank (``nonfinite_steps``)."""
     window.grads_ready = True
     try:
-        trainer.grads.run_hooks(trainer._accumulated_grad_hooks)
+        hooks_nonfinite = trainer.grads.run_hooks(trainer._accumulated_grad_hooks)
         call_event(trainer, "on_accumulated_grads")
         max_norm = trainer.args.max_grad_norm
         grad_norm = trainer.backend.clip_grad_norm(max_norm if max_norm is not None and max_norm > 0 else float("inf"))
         policy = "propagate" if trainer.backend.scales_loss else trainer.gradacc.nonfinite_steps  # a scaler skips itself
         step = trainer.state.global_step + 1
-        if must_skip(policy, grad_norm, step=step, rank=trainer.args.process_index, losses=window.losses):
+        # one verdict on every rank, AFTER the hooks and callbacks: a NaN they wrote on one rank drops the step everywhere
+        if must_skip(policy, grad_norm, step=step, rank=trainer.args.process_index, losses=window.losses,
+                     hooks_nonfinite=hooks_nonfinite):  # fmt: skip
             trainer.num_nonfinite_skipped += 1
             trainer.add_log_metrics({"nonfinite_skipped": trainer.num_nonfinite_skipped})
             trainer.backend.skip_step()

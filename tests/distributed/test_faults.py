@@ -63,6 +63,15 @@ def test_nan_on_one_rank_drops_the_step_on_both(backend: str) -> None:
     assert "accumulated gradient is not finite" in ranks[0]["warnings"][0]
 
 
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "deepspeed"])
+def test_nan_written_by_a_hook_on_one_rank_drops_the_step_on_both(backend: str) -> None:
+    for result in _launch("hook_nan_one_rank", backend):
+        assert result is not None and "crash" not in result, result
+        assert result["skipped"] == 1 and result["global_step"] == 1, result  # step 1 dropped on both, step 2 taken
+        assert result["finite"] and result["relative_error"] <= TOLERANCE, result
+        assert any("not finite" in w for w in result["warnings"]), result
+
+
 def test_uneven_data_prefetched_is_the_same_clear_error_on_every_rank() -> None:
     for result in _launch("uneven_prefetched", expect_failure=True):
         assert result is not None and result["error_type"] == "GradAccDataError", result

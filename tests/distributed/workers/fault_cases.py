@@ -9,6 +9,8 @@ Cases:
   forward; rank 0 must stop with a GradAccDistributedError naming the step (``ddp_timeout`` = TIMEOUT_S).
 * ``nan_one_rank``: rank 1's first micro-batch of step 1 has a NaN loss: both ranks drop step 1 together, and step 2
   equals the float64 reference of its own samples (backends: ddp, fsdp2, deepspeed through accelerate).
+* ``hook_nan_one_rank``: an accumulated-gradient hook writes NaN on rank 1 only, after the reduction: both ranks
+  drop step 1 together (one verdict from values agreed across ranks), step 2 is exact.
 * ``uneven_prefetched`` / ``uneven_streamed``: the ranks' data run out at different steps (``even_batches=False``):
   the default path stops every rank with the same clear error; ``defer_normalization`` trains every step exactly.
 * ``tokens_seen_uneven``: ``include_num_input_tokens_seen='all'`` with a [2, 1] window: no per-micro-batch
@@ -179,6 +181,42 @@ def case_nan_one_rank(backend: str) -> dict[str, Any]:
     }
 
 
+def case_hook_nan_one_rank(backend: str) -> dict[str, Any]:
+    """An accumulated-gradient hook writes NaN into one parameter's full gradient on rank 1 at step 1 only, AFTER the
+    gradients were reduced: the ranks must agree to drop step 1 (one verdict, or gloo aborts on mismatched
+    collectives), and step 2 equals the float64 reference of its own samples."""
+    samples = _samples(GA * world_size() * 2, seed=5)
+    batches = _rank_batches(samples)
+    model = _model()
+    snapshots = Snapshots()
+    trainer = Sequential(model=model, args=_args(backend), train_dataset=ListDataset(samples),
+                         data_collator=PaddingCollator(), callbacks=[snapshots])  # fmt: skip
+    snapshots.trainer = trainer
+    poisoned = next(n for n, p in model.named_parameters() if p.requires_grad)
+    seen = []
+
+    def nan_on_rank_1(name: str, grad: torch.Tensor) -> None:
+        if name == poisoned:
+            seen.append(name)
+            if rank() == 1 and len(seen) == 1:  # the first step only (a dropped step leaves global_step at 0)
+                grad.fill_(float("nan"))
+
+    trainer.register_accumulated_grad_hook(nan_on_rank_1)
+    with WarningRecorder() as warnings:
+        trainer.train()
+    step2 = [s for rank_batches in batches for s in [x for b in rank_batches[GA:] for x in b]]
+    reference = reference_gradients(_model(), step2, "causal_lm", PaddingCollator())  # at the initial parameters
+    first, last = snapshots.params[0], snapshots.params[-1]
+    c = compare({n: first[n] - last[n] for n in first}, reference)
+    return {
+        "skipped": trainer.num_nonfinite_skipped,
+        "global_step": trainer.state.global_step,
+        "relative_error": c.relative_error,
+        "finite": all(bool(torch.isfinite(p).all()) for p in last.values()),
+        "warnings": [w for w in warnings.messages if "Optimizer step" in w],
+    }
+
+
 def case_uneven(streamed: bool, backend: str) -> dict[str, Any]:
     samples = _samples(5, seed=3)  # 5 micro-batches: rank 0 gets 3, rank 1 gets 2 (even_batches=False)
     overrides = dict(defer_normalization=streamed, accelerator_config={"even_batches": False})
@@ -224,6 +262,7 @@ def main() -> None:
         "killed": lambda: case_peer_fault("killed", opts.backend),
         "erroring": lambda: case_peer_fault("erroring", opts.backend),
         "nan_one_rank": lambda: case_nan_one_rank(opts.backend),
+        "hook_nan_one_rank": lambda: case_hook_nan_one_rank(opts.backend),
         "uneven_prefetched": lambda: case_uneven(False, opts.backend),
         "uneven_streamed": lambda: case_uneven(True, opts.backend),
         "tokens_seen_uneven": lambda: case_tokens_seen(opts.backend),
