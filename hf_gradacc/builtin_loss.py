@@ -3,7 +3,8 @@ the head's SUM over the micro-batch plus the router terms the model returns (:mo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -71,7 +72,9 @@ def builtin_loss(
             with_labels = {**inputs, LABEL_KEY: labels.long() if not labels.is_floating_point() else labels}
             if shift_labels is not None:
                 with_labels[SHIFT_LABELS_KEY] = shift_labels.long()
-            outputs = model(**with_labels)
+            with loss_function_without_graph(model):
+                outputs = model(**with_labels)
+            drop_model_loss_graph(outputs)
         except Exception as error:  # noqa: BLE001
             if is_out_of_memory(error):
                 raise  # auto_micro_batch's business, not the check's
@@ -81,6 +84,46 @@ def builtin_loss(
     terms = {MAIN_TERM: LossTerm(total=head.sum_loss(logits_of(outputs), labels, shift_labels), normalize_by=denominator)}
     terms.update(model_aux_terms(model, outputs, input_token_count(inputs)))
     return terms, outputs
+
+
+@contextlib.contextmanager
+def loss_function_without_graph(model: nn.Module) -> Iterator[None]:
+    """While the start-up check's forward runs, the model's ``loss_function`` (the one transformers' heads call with
+    the labels) computes without gradient: the model's own loss is only read, never back-propagated, and with a graph
+    it would keep a second set of [tokens x vocabulary] log-probabilities alive beside the library's (1.5x the stock
+    Trainer's peak at a 151,936-token vocabulary). Terms the model adds outside it (router terms) are untouched.
+
+    Models without a settable ``loss_function`` (a loss written inline) keep theirs; :func:`drop_model_loss_graph`
+    frees its graph before the library's loss is built."""
+    base = unwrap_model(model)
+    prop = getattr(type(base), "loss_function", None)
+    if not isinstance(prop, property) or prop.fset is None:
+        yield
+        return
+    missing = object()
+    before = base.__dict__.get("_loss_function", missing)
+    original = base.loss_function
+
+    def without_graph(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return original(*args, **kwargs)
+
+    base.loss_function = without_graph
+    try:
+        yield
+    finally:
+        if before is missing:
+            base.__dict__.pop("_loss_function", None)
+        else:
+            base._loss_function = before
+
+
+def drop_model_loss_graph(outputs: Any) -> None:
+    """Replace ``outputs.loss`` by its value, so that whatever graph the model built for it (an inline loss, or the
+    router terms added to it) is freed before the library builds its own loss from the same logits."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
+    if torch.is_tensor(loss) and loss.requires_grad:
+        outputs["loss"] = loss.detach()
 
 
 def model_mean_loss(model: nn.Module, inputs: Mapping[str, Any]) -> float | None:
