@@ -7,6 +7,7 @@ and backend, within float32 rounding.
 
 from .config import GradAccArguments, GradAccConfig, GradAccSeq2SeqConfig, gradacc_config_class
 from .errors import (
+    GradAccCompatibilityError,
     GradAccConfigError,
     GradAccDataError,
     GradAccError,
@@ -25,6 +26,7 @@ __version__ = "0.2.0.dev0"
 __all__ = [
     "IGNORE_INDEX",
     "GradAccArguments",
+    "GradAccCompatibilityError",
     "GradAccConfig",
     "GradAccConfigError",
     "GradAccDataError",

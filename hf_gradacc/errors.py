@@ -51,3 +51,9 @@ class NonFiniteStepError(GradAccError, FloatingPointError):
 
 class GradAccDistributedError(GradAccError, RuntimeError):
     """A collective between ranks failed or timed out (a peer froze, died or raised); the message names the step."""
+
+
+class GradAccCompatibilityError(GradAccError, RuntimeError):
+    """The installed transformers / TRL / accelerate lacks (or changed the signature of) a private member hf_gradacc
+    overrides or reads (:mod:`hf_gradacc.compat`); the message names the member, the installed version and the
+    supported range."""

@@ -24,12 +24,15 @@ What cannot be made exact is refused, naming the way out: an object that is not 
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 from transformers import Seq2SeqTrainer, Trainer
 from transformers.utils import logging
 
+from . import patches
+from .compat import check_trainer_class
 from .errors import GradAccTypeError, GradAccUsageError
 from .mixin import GradAccMixin
 
@@ -92,8 +95,17 @@ def make_exact(trainer: Trainer, **gradacc_args: Any) -> Trainer:
             "data loader were built for the stock step. Call make_exact(trainer) right after constructing it, before "
             "`train()`."
         )
+    if os.environ.get(patches.CPU_DISTRIBUTED_ENV, "").strip().lower() not in ("", "0", "false", "no", "off") and (
+        not patches.is_cpu_distributed_enabled()
+    ):
+        logger.warning_once(
+            f"`{patches.CPU_DISTRIBUTED_ENV}` is set, but make_exact comes after the trainer built its accelerator, "
+            "which the CPU-distributed patch must precede: call hf_gradacc.patches.enable_cpu_distributed() before "
+            "the framework constructs its trainer (see docs/patches.md)."
+        )
     original = type(trainer)
     exact = exact_class(original)
+    check_trainer_class(exact)  # the private members the step rests on (compat.py), before anything changes
     trainer.__class__ = exact
     try:
         trainer._setup_gradacc(gradacc_args)

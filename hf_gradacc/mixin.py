@@ -34,6 +34,7 @@ from .callbacks.base import GradAccCallback
 from .callbacks.batchnorm import batchnorm_callback_for
 from .checkpoints import checkpoint_save, resolve_resume
 from .checks import start_up_check
+from .compat import check_trainer_class
 from .config import GradAccSettings, resolve_settings
 from .data.loader import adjust_training_values, build_train_dataloader, check_train_dataset, fetch_batches, plan_epoch
 from .data.pack import check_packing_support
@@ -85,6 +86,8 @@ class GradAccMixin:
     backend: Backend
 
     def __init__(self, *args: Any, gradacc_args: Any = None, **kwargs: Any) -> None:
+        # the private Trainer / TRL / accelerate members the step rests on, before anything is built (compat.py)
+        check_trainer_class(type(self))
         # HF_GRADACC_CPU_DISTRIBUTED=1: patch accelerate BEFORE Trainer.__init__ builds the accelerator (patches/)
         patches.maybe_enable_from_env()
         super().__init__(*args, **kwargs)
@@ -608,7 +611,9 @@ class GradAccMixin:
             ```
         """
         finish_distributed()  # barrier, destroy the group, let gloo threads finish
-        super().end()  # trackers; the group is already gone
+        upstream_end = getattr(super(), "end", None)  # `Trainer.end` is new in transformers 5.2x
+        if upstream_end is not None:
+            upstream_end()  # trackers; the group is already gone
 
 
 def _gather_on(backend: Backend, device: torch.device, tensor: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import hf_gradacc
 EXPECTED_ALL = [
     "IGNORE_INDEX",
     "GradAccArguments",
+    "GradAccCompatibilityError",
     "GradAccConfig",
     "GradAccConfigError",
     "GradAccDataError",

@@ -1,0 +1,217 @@
+"""hf_gradacc.compat: every private upstream member the library overrides or reads is declared in one place, checked at
+trainer construction, and the declared version ranges are the ones pyproject.toml promises."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import Trainer
+
+from hf_gradacc import GradAccCompatibilityError, GradAccTrainer
+from hf_gradacc.compat import (
+    ALL_MEMBERS,
+    SUPPORTED_VERSIONS,
+    TRAINER_MEMBERS,
+    PrivateMember,
+    check_members,
+    check_trainer_class,
+    installed_version,
+    is_supported,
+)
+from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+
+pytestmark = pytest.mark.compat
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "hf_gradacc"
+UPSTREAM_CLASSES = (
+    "transformers.Trainer",
+    "transformers.Seq2SeqTrainer",
+    "trl.SFTTrainer",
+    "trl.DPOTrainer",
+    "trl.RewardTrainer",
+    "trl.GRPOTrainer",
+    "accelerate.Accelerator",
+    "accelerate.state.GradientState",
+    "accelerate.state.PartialState",
+    "accelerate.state.AcceleratorState",
+)
+# hf_gradacc's own private names that happen to exist on an upstream class too (same name, another object).
+OWN_NAMES = {
+    "_check": "grads.py: GradAccess._check, its own guard",
+    "_load_model": "commands/check.py: its own loader function",
+    "_log": "callbacks/token_stats.py: the callback's own method",
+    "_model": "trl.py: _ForwardRecorder._model, the wrapped model",
+    "_pending": "callbacks and testing recorders: their own buffers",
+}
+
+
+def _private_names_used() -> dict[str, set[str]]:
+    """Every private (single underscore) name the package reads, writes, overrides or looks up by string."""
+    used: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, ast.Attribute):
+                name = node.attr
+            elif isinstance(node, ast.FunctionDef):
+                name = node.name
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in {"getattr", "hasattr", "setattr"}
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
+                name = node.args[1].value
+            if name and name.startswith("_") and not name.startswith("__"):
+                used.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    return used
+
+
+def _upstream_classes() -> list[type]:
+    classes = []
+    for spec in UPSTREAM_CLASSES:
+        module, _, name = spec.rpartition(".")
+        try:
+            classes.append(getattr(importlib.import_module(module), name))
+        except ImportError:
+            continue  # TRL is optional; its members are declared all the same
+    return classes
+
+
+@functools.cache
+def _source(cls: type) -> str:
+    texts = []
+    for klass in cls.__mro__:
+        try:
+            texts.append(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+    return "\n".join(texts)
+
+
+def _upstream_has(cls: type, name: str) -> bool:
+    return hasattr(cls, name) or f"self.{name}" in _source(cls)
+
+
+def test_every_private_upstream_member_used_is_declared():
+    declared = {m.name for m in ALL_MEMBERS}
+    upstream = _upstream_classes()
+    undeclared = {
+        name: sorted(files)
+        for name, files in _private_names_used().items()
+        if name not in declared and name not in OWN_NAMES and any(_upstream_has(cls, name) for cls in upstream)
+    }
+    assert not undeclared, (
+        "hf_gradacc uses private upstream members that hf_gradacc/compat.py does not declare (add them to "
+        f"TRAINER_MEMBERS / TRL_MEMBERS / ACCELERATE_MEMBERS): {undeclared}"
+    )
+
+
+def test_the_scan_sees_a_new_private_read(tmp_path, monkeypatch):
+    """The scan is not vacuous: a module reading `Trainer._inner_training_loop` would be reported."""
+    extra = PACKAGE / "_compat_probe_tmp.py"
+    extra.write_text("def f(trainer):\n    return trainer._inner_training_loop\n")
+    try:
+        used = _private_names_used()
+    finally:
+        extra.unlink()
+    assert "_inner_training_loop" in used
+    assert _upstream_has(Trainer, "_inner_training_loop")
+    assert "_inner_training_loop" not in {m.name for m in ALL_MEMBERS}
+
+
+def test_declared_members_hold_on_the_installed_stack():
+    check_trainer_class(GradAccTrainer)
+    for member in TRAINER_MEMBERS:
+        assert member.name in {m.name for m in ALL_MEMBERS}
+
+
+def _trainer_kwargs():
+    model = build_tiny_model("sequence_classification")
+    return dict(
+        model=model,
+        args=None,
+        train_dataset=ListDataset(make_samples("sequence_classification", 4)),
+        data_collator=PaddingCollator(),
+    )
+
+
+def test_a_renamed_private_trainer_method_is_named_at_construction(monkeypatch, helpers):
+    monkeypatch.delattr(Trainer, "_run_epoch")
+    kwargs = _trainer_kwargs()
+    kwargs["args"] = helpers.make_args()
+    with pytest.raises(GradAccCompatibilityError) as info:
+        GradAccTrainer(**kwargs)
+    message = str(info.value)
+    assert "`Trainer._run_epoch` is missing" in message
+    assert f"transformers {installed_version('transformers')} is installed" in message
+    assert SUPPORTED_VERSIONS["transformers"] in message
+
+
+def test_a_re_signed_private_trainer_method_is_named_at_construction(monkeypatch, helpers):
+    def _init_training_state(self, max_steps, num_train_epochs, resume_from_checkpoint, trial):  # one parameter gone
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(Trainer, "_init_training_state", _init_training_state)
+    kwargs = _trainer_kwargs()
+    kwargs["args"] = helpers.make_args()
+    with pytest.raises(GradAccCompatibilityError, match=r"Trainer\._init_training_state` has parameters"):
+        GradAccTrainer(**kwargs)
+
+
+def test_an_attribute_upstream_stops_setting_is_named():
+    class Upstream:
+        def __init__(self):
+            self.visible = 1
+
+    member = PrivateMember(owner="transformers.Trainer", name="_gone", kind="attribute", used_by="a test")
+    with pytest.raises(GradAccCompatibilityError, match=r"`Trainer\._gone` is no longer set"):
+        check_members((member,), owners={"transformers.Trainer": Upstream})
+    present = PrivateMember(owner="transformers.Trainer", name="visible", kind="attribute", used_by="a test")
+    check_members((present,), owners={"transformers.Trainer": Upstream})
+
+
+def test_declared_ranges_are_the_pyproject_ranges():
+    text = (ROOT / "pyproject.toml").read_text()
+    for package, spec in SUPPORTED_VERSIONS.items():
+        assert f'"{package}{spec}"' in text, f"pyproject.toml does not declare {package}{spec}"
+
+
+def test_installed_stack_is_in_the_declared_ranges():
+    for package in ("transformers", "accelerate", "trl", "peft", "deepspeed"):
+        version = installed_version(package)
+        if version != "not installed":
+            assert is_supported(package, version), f"{package} {version} is outside {SUPPORTED_VERSIONS[package]}"
+
+
+def test_trl_below_the_supported_range_is_refused_with_the_extra(monkeypatch):
+    trl = pytest.importorskip("trl")
+    monkeypatch.setattr(trl, "__version__", "1.8.0")
+    monkeypatch.delitem(sys.modules, "hf_gradacc.trl", raising=False)
+    from hf_gradacc.errors import GradAccError
+
+    with pytest.raises(GradAccError) as info:
+        importlib.import_module("hf_gradacc.trl")
+    assert isinstance(info.value, ImportError)
+    assert "trl 1.8.0 is installed" in str(info.value)
+    assert 'hf_gradacc[trl]' in str(info.value)
+    monkeypatch.delitem(sys.modules, "hf_gradacc.trl", raising=False)
+
+
+def test_end_works_without_an_upstream_end(monkeypatch, helpers):
+    """`Trainer.end` is new in transformers 5.2x: on older versions GradAccTrainer.end must not raise."""
+    if hasattr(Trainer, "end"):
+        monkeypatch.delattr(Trainer, "end")
+    kwargs = _trainer_kwargs()
+    kwargs["args"] = helpers.make_args()
+    trainer = GradAccTrainer(**kwargs)
+    trainer.end()  # raised AttributeError ('super' object has no attribute 'end') before
