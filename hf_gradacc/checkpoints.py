@@ -119,16 +119,19 @@ def _resume_needs(path: str, files: dict[str, int], world_size: int) -> list[str
         missing.append(f"the model weights are missing (none of {list(_WEIGHTS[:2])})")
     if deepspeed_dir is None:
         if not any(n in files for n in _OPTIMIZER) and not any(d.startswith("optimizer") for d in sharded):
-            missing.append(
-                "optimizer.pt is missing (the stock resume would start with fresh optimizer moments, silently; "
-                "a checkpoint saved with `save_only_model=True` cannot be resumed)"
-            )
+            missing.append(_missing("optimizer.pt") + "; a checkpoint saved with `save_only_model=True` cannot be resumed")
         elif _SCHEDULER not in files:
             missing.append(f"{_SCHEDULER} is missing (the stock resume then loads neither the optimizer nor the scheduler)")
     rng = [n for n in files if re.fullmatch(r"rng_state(_\d+)?\.pth", n)]
     if world_size > 1 and any(n != "rng_state.pth" for n in rng):
         missing += [f"rng_state_{r}.pth is missing" for r in range(world_size) if f"rng_state_{r}.pth" not in files]
     return missing
+
+
+def _missing(rel: str) -> str:
+    if os.path.basename(rel) in _OPTIMIZER:
+        return f"{rel} is missing (the stock resume would start with fresh optimizer moments, silently)"
+    return f"{rel} is missing"
 
 
 def _deepspeed_dir(path: str) -> str | None:
@@ -174,7 +177,7 @@ def checkpoint_problems(path: str, *, world_size: int = 1) -> list[str]:
     for rel, size in files.items():
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
-            problems.append(f"{rel} is missing")
+            problems.append(_missing(rel))
         elif os.path.getsize(full) != size:
             problems.append(f"{rel} has {os.path.getsize(full)} bytes where the save wrote {size}")
         elif problem := file_problem(full):

@@ -213,7 +213,24 @@ class Head:
         )
         inputs = batch.get("input_ids", batch.get("inputs_embeds"))
         positions = int(inputs.shape[0] * inputs.shape[1]) if torch.is_tensor(inputs) and inputs.dim() >= 2 else 0
+        self._warn_unattended_rows(batch)
         return replace(counts, num_input_tokens=input_token_count(batch), num_positions=positions)
+
+    def _warn_unattended_rows(self, batch: Mapping[str, Any]) -> None:
+        """A row whose ``attention_mask`` is all zeros but whose labels count: trained and counted on positions the
+        model does not attend to (most often a collator bug, e.g. a mask built for another padding side)."""
+        mask, labels = batch.get("attention_mask"), batch.get(LABEL_KEY)
+        if not (torch.is_tensor(mask) and mask.dim() == 2 and torch.is_tensor(labels)) or labels.shape[:1] != mask.shape[:1]:
+            return
+        counted = labels.reshape(labels.shape[0], -1) != self.ignore_index if not labels.is_floating_point() else None
+        counted = counted.any(1) if counted is not None else torch.ones_like(mask[:, 0], dtype=torch.bool)
+        rows = ((mask.sum(1) == 0) & counted).nonzero().reshape(-1).tolist()
+        if rows:
+            logger.warning_once(
+                f"Row(s) {rows} of a micro-batch have an `attention_mask` of all zeros but counted `labels`: they are "
+                f"trained and counted on positions the model does not attend to. Mask their labels with "
+                f"`ignore_index` ({self.ignore_index}) or drop such rows in the data collator."
+            )
 
     def check_labels(self, batch: Mapping[str, Any]) -> None:
         """Raise :class:`~hf_gradacc.GradAccDataError` for labels this head cannot train on: the wrong shape for the
@@ -243,7 +260,10 @@ class Head:
                     f"`{key}` has shape {tuple(labels.shape)} but the inputs have shape {tuple(inputs.shape[:2])}: a "
                     f"{self.type} head needs one label per input token. {fix}"
                 )
-        if labels.is_floating_point() or labels.dtype == torch.bool or self.num_classes is None:
+        if labels.is_floating_point() or labels.dtype == torch.bool:
+            return
+        self._check_label_dtype(key, labels)
+        if self.num_classes is None:
             return
         bad = (labels != self.ignore_index) & ((labels < 0) | (labels >= self.num_classes))
         if bool(bad.any()):
@@ -254,6 +274,22 @@ class Head:
                 f"({self.ignore_index}). Mask such positions with {self.ignore_index}, or set `ignore_index` to the "
                 "value your data uses."
             )
+
+    def _check_label_dtype(self, key: str, labels: torch.Tensor) -> None:
+        """Integer labels of a dtype that cannot hold ``ignore_index`` or every class id: before any compare with
+        ``ignore_index``, which a narrow dtype wraps (-100 in uint8 is 156: masked positions would be trained)."""
+        info = torch.iinfo(labels.dtype)
+        largest = None if self.num_classes is None else self.num_classes - 1
+        if self.ignore_index < info.min or self.ignore_index > info.max:
+            why = f"cannot hold `ignore_index` ({self.ignore_index}): it wraps to {self.ignore_index % (info.max + 1 - info.min)}"
+        elif largest is not None and largest > info.max:
+            why = f"cannot hold the class ids up to {largest}: larger ids wrapped when the labels were built"
+        else:
+            return
+        raise GradAccDataError(
+            f"`{key}` are {labels.dtype}, which {why}. Build the labels as torch.int64 (or int32) in the data "
+            "collator / dataset."
+        )
 
     def count_labels(self, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None) -> int:
         """The count of the head's denominator for these labels alone (evaluation)."""
@@ -320,9 +356,11 @@ def input_token_count(batch: Mapping[str, Any]) -> int:
     return 0
 
 
-def seen_token_count(main_input: Any, attention_mask: Any, mode: str, pad_token_id: int | None) -> int:
+def seen_token_count(main_input: Any, attention_mask: Any, mode: str, pad_token_id: int | None, *,
+                     padded: bool = True) -> int:  # fmt: skip
     """Input tokens as `TrainingArguments.include_num_input_tokens_seen` counts them: ``"all"`` every position of the
-    main input, ``"non_padding"`` the attention mask's ones (else the non-pad ids). 0 without a main input."""
+    main input, ``"non_padding"`` the attention mask's ones (else the non-pad ids; else every position, with a
+    warning unless the batch is ``padded=False``, packed). 0 without a main input."""
     if not torch.is_tensor(main_input):
         return 0
     if mode == "non_padding":
@@ -330,4 +368,9 @@ def seen_token_count(main_input: Any, attention_mask: Any, mode: str, pad_token_
             return int(attention_mask.sum())
         if pad_token_id is not None:
             return int((main_input != pad_token_id).sum())
+        if padded and main_input.dim() >= 2 and main_input.shape[0] > 1:
+            logger.warning_once(
+                "`include_num_input_tokens_seen='non_padding'` found no `attention_mask` and no pad id (pass the "
+                "tokenizer as `processing_class`): padding is counted too. Add an attention mask in the collator."
+            )
     return int(main_input.numel())

@@ -377,7 +377,8 @@ class GradAccMixin:
         main = batch.get(getattr(self.model, "main_input_name", "input_ids"))
         # a packed row has no padding (and may hold end-of-sequence ids equal to the pad id): every token counts
         pad_id = None if PACKED_KEY in batch else getattr(self.processing_class, "pad_token_id", None)
-        return replace(counts, num_seen_tokens=seen_token_count(main, batch.get("attention_mask"), mode, pad_id))
+        seen = seen_token_count(main, batch.get("attention_mask"), mode, pad_id, padded=PACKED_KEY not in batch)
+        return replace(counts, num_seen_tokens=seen)
 
     # ------------------------------------------------------------------ one micro-batch (Trainer hooks)
     def training_step_context(self) -> contextlib.AbstractContextManager:

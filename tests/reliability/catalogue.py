@@ -193,6 +193,29 @@ def _resume_killed_save() -> str:
     return out
 
 
+def _resume_damaged(damage: str, explicit: bool) -> str:
+    """A run saving every step, its newest checkpoint damaged (``damage``: a truncated weights file or a missing
+    optimizer state), then resumed with ``True`` or with that folder named."""
+    out = tempfile.mkdtemp(prefix="hf_gradacc_damaged_")
+    samples = _samples(n=BS * GA * 2, seed=15)
+    args = _args(output_dir=out, max_steps=-1, num_train_epochs=1, save_strategy="steps", save_steps=1, optim="adamw_torch",
+                 learning_rate=1e-3)  # fmt: skip
+    GradAccTrainer(model=build_tiny_model("causal_lm"), args=args, train_dataset=ListDataset(samples),
+                   data_collator=PaddingCollator()).train()  # fmt: skip
+    newest = os.path.join(out, "checkpoint-2")
+    if damage == "optimizer":
+        os.remove(os.path.join(newest, "optimizer.pt"))
+    else:
+        path = os.path.join(newest, "model.safetensors")
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    resumed = GradAccTrainer(model=build_tiny_model("causal_lm"), args=args, train_dataset=ListDataset(samples),
+                             data_collator=PaddingCollator())  # fmt: skip
+    resumed.train(resume_from_checkpoint=newest if explicit else True)
+    assert resumed.state.global_step == 2
+    return out
+
+
 def _resume_nothing() -> None:
     args = _args(output_dir=tempfile.mkdtemp(prefix="hf_gradacc_empty_"))
     _trainer(args=args, train_dataset=ListDataset(_samples()), data_collator=PaddingCollator()).train(
@@ -253,6 +276,21 @@ class _SumOverGlobal(GradAccTrainer):
         return (loss, outputs) if return_outputs else loss
 
 
+def _masked_row() -> None:
+    def edit(batch: dict[str, torch.Tensor]) -> None:
+        batch["attention_mask"][0] = 0  # row 0 attends to nothing, its labels still count
+
+    _step(collator=_collator(edit))
+
+
+def _tokens_seen_without_mask() -> int:
+    _, trainer, _, samples = _step(args=_args(include_num_input_tokens_seen="non_padding"),
+                                   collator=_collator(lambda b: b.pop("attention_mask")))  # fmt: skip
+    seen = trainer.state.num_input_tokens_seen
+    assert seen > sum(len(s["input_ids"]) for s in samples), seen  # padding counted, as the stock Trainer falls back to
+    return seen
+
+
 class _NoLogits(torch.nn.Module):
     def __init__(self, bare: bool) -> None:
         super().__init__()
@@ -307,6 +345,9 @@ CASES: list[Case] = [
     Case("batch_rebalance_regroup", "`train_sampling_strategy='batch_rebalance'` with regrouping", "error",
          lambda: _args(train_sampling_strategy="batch_rebalance", regroup_micro_batches=True), "GradAccConfigError",
          ("batch_rebalance", "regroup_micro_batches")),
+    Case("lr_scaling_without_schedule", "`lr_scaling='linear'` without an `accumulation_schedule`", "warning",
+         lambda: _exact(args=_args(lr_scaling="linear")), words=("`lr_scaling` ('linear') is ignored",
+                                                                 "accumulation_schedule")),
     Case("zero_reduction_unused", "`zero_reduction='per_window'` on a single process", "warning",
          lambda: _exact(args=_args(zero_reduction="per_window")), words=("`zero_reduction='per_window'` is ignored",)),
     Case("fsdp_sync_unused", "`fsdp_sync='every_micro_batch'` without FSDP2", "warning",
@@ -350,6 +391,19 @@ CASES: list[Case] = [
     Case("int32_labels", "int32 `labels`", "exact",
          lambda: _exact(collator=_collator(lambda b: b.update(labels=b["labels"].int()))),
          result="trained as int64 class ids"),
+    Case("int8_labels", "int8 `labels` (holding -100 and every id of the vocabulary)", "exact",
+         lambda: _exact(collator=_collator(lambda b: b.update(labels=b["labels"].to(torch.int8)))),
+         result="trained as int64 class ids"),
+    Case("uint8_labels", "uint8 `labels` (-100 wraps to 156)", "error",
+         lambda: _step(collator=_collator(lambda b: b.update(labels=b["labels"].to(torch.uint8)))), "GradAccDataError",
+         ("torch.uint8", "cannot hold `ignore_index` (-100)", "torch.int64"),
+         result="before any compare with `ignore_index`"),
+    Case("all_masked_row", "a row whose `attention_mask` is all zeros, with counted labels", "warning", _masked_row,
+         words=("`attention_mask` of all zeros", "counted `labels`", "ignore_index"),
+         result="trained and counted as the stock Trainer does"),
+    Case("tokens_seen_no_mask", "`include_num_input_tokens_seen='non_padding'` without an attention mask or pad id",
+         "warning", _tokens_seen_without_mask, words=("no `attention_mask` and no pad id", "padding is counted"),
+         result="every position counted, as the stock Trainer falls back to"),
     Case("empty_dataset", "an empty map-style `train_dataset`", "error",
          lambda: _trainer(train_dataset=ListDataset([]), data_collator=PaddingCollator()).train(),
          "GradAccDataError", ("`train_dataset` is empty",)),
@@ -407,6 +461,14 @@ CASES: list[Case] = [
     Case("resume_killed_save", "`resume_from_checkpoint=True` after a save that was killed", "warning",
          _resume_killed_save, words=("Resuming from", "checkpoint-2", "not saved completely"),
          result="resumes from the newest complete checkpoint"),
+    Case("resume_truncated_weights", "`resume_from_checkpoint=True` when the newest `model.safetensors` is truncated",
+         "warning", lambda: _resume_damaged("weights", explicit=False),
+         words=("checkpoint-2", "model.safetensors has", "cannot be resumed"),
+         result="resumes from the older complete checkpoint, naming the broken file"),
+    Case("resume_no_optimizer", "`resume_from_checkpoint='…/checkpoint-2'` without its `optimizer.pt`", "error",
+         lambda: _resume_damaged("optimizer", explicit=True), "GradAccConfigError",
+         ("optimizer.pt is missing", "fresh optimizer moments", "resume_from_checkpoint=True"),
+         result="never a silent fresh start"),
     Case("resume_no_checkpoint", "`resume_from_checkpoint=True` with no checkpoint", "error", _resume_nothing,
          "GradAccConfigError", ("no complete checkpoint",)),
     Case("not_an_oom", "`auto_micro_batch` and a RuntimeError that mentions 'out of memory'", "error", _not_an_oom,
