@@ -8,7 +8,8 @@ loss the model defines.
 - An overridden ``compute_loss`` returning a plain tensor: it is read as the micro-batch's MEAN. One extra forward
   (no gradient) gives the model's own mean; a returned value that is that mean times the world size, or divided by the
   step's global count instead of the micro-batch's, was already normalised by an inner trainer (e.g. TRL's
-  ``SFTTrainer`` placed before the mixin) and would be re-weighted twice.
+  ``SFTTrainer`` placed before the mixin) and would be re-weighted twice; a value that is that mean times the
+  micro-batch's count is an unnormalised SUM (its gradient would be that many times too large).
 
 Every rank records its verdict; the verdicts are agreed in one collective after the first window, so every rank stops
 together. ``check_loss_at_start=False`` turns the check off.
@@ -33,7 +34,7 @@ BUILTIN_RTOL = 1e-3
 # value is within this of it and the candidate factors are well apart.
 PLAIN_RTOL = 0.02
 
-OK, MISMATCH, WORLD_FACTOR, GLOBAL_COUNT, GLOBAL_COUNT_AND_WORLD = range(5)
+OK, MISMATCH, WORLD_FACTOR, GLOBAL_COUNT, GLOBAL_COUNT_AND_WORLD, UNNORMALISED_SUM = range(6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,15 @@ class LossCheck:
                 "model, which training would silently drop. Ways out: set `head_type` to the model's loss family; or "
                 "override `compute_loss` and return every term as an hf_gradacc.LossTerm; or, if the difference is "
                 "intended, set `check_loss_at_start=False`."
+            )
+        if self.code == UNNORMALISED_SUM:
+            return (
+                f"compute_loss returned {self.ours:.6g} ({where}), the micro-batch's mean loss ({self.model:.6g}) times "
+                f"its {self.ratio:.0f} counted items: an unnormalised SUM. hf_gradacc reads a plain tensor as the "
+                f"micro-batch's MEAN and would train a gradient ~{self.ratio:.0f}x too large. Divide the sum by "
+                "`num_items_in_batch` (hf_gradacc passes this micro-batch's count), or return "
+                "hf_gradacc.LossTerm(total=<sum>, normalize_by=\"tokens\" | \"samples\"), or set "
+                "`check_loss_at_start=False` if the value is meant."
             )
         factor = {
             WORLD_FACTOR: f"times the {self.world_size} processes",
@@ -104,7 +114,8 @@ def check_plain(returned: float, model_mean: float, *, world_size: int, local: i
     if not (math.isfinite(returned) and math.isfinite(model_mean)) or model_mean == 0 or local == 0:
         return LossCheck()
     share = local / max(global_count, 1)
-    candidates = {OK: 1.0, WORLD_FACTOR: float(world_size), GLOBAL_COUNT: share, GLOBAL_COUNT_AND_WORLD: share * world_size}
+    candidates = {OK: 1.0, WORLD_FACTOR: float(world_size), GLOBAL_COUNT: share, GLOBAL_COUNT_AND_WORLD: share * world_size,
+                  UNNORMALISED_SUM: float(local)}  # fmt: skip
     ratio = returned / model_mean
     code, factor = min(candidates.items(), key=lambda kv: abs(math.log(max(ratio, 1e-12) / kv[1])))
     others = [f for c, f in candidates.items() if c != code and not math.isclose(f, factor, rel_tol=1e-9)]

@@ -411,6 +411,11 @@ def _load_model(opts: argparse.Namespace) -> tuple[Any, str, str, int]:
 
     source = os.path.expanduser(opts.model)
     if source.startswith((".", os.sep)) or os.path.exists(source):
+        if not os.path.exists(source):
+            raise GradAccConfigError(
+                f"`--model` ({opts.model!r}) is a local path that does not exist ({os.path.abspath(source)}): pass a "
+                "save_pretrained folder, or a Hub id (owner/name) without a leading './' or '/'"
+            )
         if not os.path.isdir(source):
             raise GradAccConfigError(
                 f"`--model` ({opts.model!r}) is not a directory; pass a save_pretrained folder or a Hub id"

@@ -291,6 +291,17 @@ def _tokens_seen_without_mask() -> int:
     return seen
 
 
+class _UnnormalisedSum(GradAccTrainer):
+    """A compute_loss that returns the micro-batch's cross-entropy SUM as a plain tensor (a forgotten division)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        logits = outputs.logits.float()[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), reduction="sum")
+        return (loss, outputs) if return_outputs else loss
+
+
 class _NoLogits(torch.nn.Module):
     def __init__(self, bare: bool) -> None:
         super().__init__()
@@ -445,6 +456,9 @@ CASES: list[Case] = [
          "GradAccLossError", ("bare tensor", "ModelOutput")),
     Case("loss_over_global_count", "a plain loss already divided by the step's global count", "error",
          lambda: _step(_SumOverGlobal), "GradAccLossError", ("divided by the step's global count", "LossTerm")),
+    Case("loss_unnormalised_sum", "a plain `compute_loss` returning the micro-batch's SUM (no division)", "error",
+         lambda: _step(_UnnormalisedSum), "GradAccLossError", ("unnormalised SUM", "num_items_in_batch", "LossTerm"),
+         result="refused by the start-up check instead of a gradient ~count x too large"),
     # ---- non-finite steps
     Case("nan_micro_batch_skip", "a micro-batch whose loss is NaN (`nonfinite_steps='skip'`, default)", "warning",
          _nan_skip, words=("micro-batch(es) [1] had a NaN/Inf loss", "skipped on every rank"),

@@ -201,6 +201,9 @@ def test_bad_values_are_usage_errors(argv, message, capsys):
 
 def test_model_errors_name_the_fix(tmp_path, capsys):
     assert main(["check", "--model", str(tmp_path / "missing")]) == 2
+    assert "is a local path that does not exist" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    assert main(["check", "--model", str(tmp_path / "a-file")]) == 2
     assert "is not a directory" in capsys.readouterr().err
 
     path = _save_tiny(tmp_path / "no-arch", transformers.BertForMaskedLM)
