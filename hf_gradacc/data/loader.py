@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from transformers.utils import logging
 
+from ..compat import shard_even_batches
 from ..errors import GradAccConfigError, GradAccDataError
 from .pack import PackedCollator, WindowPackBatchSampler
 from .regroup import WindowRegroupBatchSampler, sample_lengths
@@ -146,7 +147,15 @@ def build_train_dataloader(
         "in_order": args.dataloader_in_order,
         "worker_init_fn": partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
     }
-    dataloader = accelerator.prepare(DataLoader(dataset, **params))
+    shard_even = shard_even_batches(accelerator.even_batches)
+    if shard_even == accelerator.even_batches or accelerator.num_processes == 1:
+        dataloader = accelerator.prepare(DataLoader(dataset, **params))
+    else:  # older accelerate: the sampler already evened the ranks out (compat.shard_even_batches)
+        accelerator.even_batches = shard_even
+        try:
+            dataloader = accelerator.prepare(DataLoader(dataset, **params))
+        finally:
+            accelerator.even_batches = True
     shard = getattr(dataloader, "batch_sampler", None)
     if shard is not batch_sampler and getattr(shard, "batch_sampler", None) is batch_sampler:
         batch_sampler.num_processes = shard.num_processes  # what accelerate really deals to (device meshes)

@@ -40,6 +40,13 @@ EOS_TOKEN_ID = 1
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer, data
+def cpu_config_flags(config_class: type) -> dict[str, bool]:
+    """TRL config flags for a float32 CPU step: ``bf16=False`` (TRL's default is True) and, where the config has it
+    (TRL 1.16; not 1.9), ``activation_checkpointing=False``."""
+    fields = getattr(config_class, "__dataclass_fields__", {})
+    return {name: False for name in ("bf16", "activation_checkpointing") if name in fields}
+
+
 def word(token_id: int) -> str:
     """The word of ``token_id`` in :func:`word_tokenizer`'s vocabulary."""
     return SPECIAL_TOKENS.get(token_id, f"w{token_id}")

@@ -20,6 +20,8 @@ from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, o
 from hf_gradacc.testing.reference import Comparison
 from hf_gradacc.testing.tiny import TASKS, build_tiny_model, make_samples
 
+pytestmark = pytest.mark.compat  # every head, on the oldest supported stacks too
+
 TOLERANCE = 1e-5
 BATCH_SIZE, GA = 2, 4
 

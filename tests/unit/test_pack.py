@@ -13,6 +13,7 @@ from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from hf_gradacc import GradAccConfigError
+from hf_gradacc.compat import shard_even_batches
 from hf_gradacc.data import WindowRegroupBatchSampler, stock_windows
 from hf_gradacc.data.pack import (
     VERIFIED_PACKED_MODEL_TYPES,
@@ -45,7 +46,7 @@ def dealt(sampler, world: int) -> list[list[list[int]]]:
     """What accelerate's BatchSamplerShard hands each rank, in order."""
     if world == 1:
         return [list(sampler)]
-    return [list(BatchSamplerShard(sampler, world, rank)) for rank in range(world)]
+    return [list(BatchSamplerShard(sampler, world, rank, even_batches=shard_even_batches(True))) for rank in range(world)]
 
 
 def tokens(lengths, batch) -> int:

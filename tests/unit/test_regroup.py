@@ -13,6 +13,7 @@ from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import SequentialSampler
 
 from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccTrainer
+from hf_gradacc.compat import shard_even_batches
 from hf_gradacc.data import WindowRegroupBatchSampler, find_regroup_sampler, sample_lengths, stock_windows
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import ListDataset, ListIterableDataset, PaddingCollator, build_tiny_model, make_samples
@@ -35,7 +36,7 @@ def dealt(sampler: WindowRegroupBatchSampler, world: int) -> list[list[list[int]
         return [list(sampler)]
     out = []
     for rank in range(world):
-        out.append(list(BatchSamplerShard(sampler, world, rank)))
+        out.append(list(BatchSamplerShard(sampler, world, rank, even_batches=shard_even_batches(True))))
     return out
 
 

@@ -36,6 +36,7 @@ from hf_gradacc.testing.reference import compare  # noqa: E402
 from hf_gradacc.testing.tiny import build_tiny_model, build_tiny_moe  # noqa: E402
 from hf_gradacc.testing.trl_steps import (  # noqa: E402
     build_tiny_reward_model,
+    cpu_config_flags,
     dpo_dataset,
     dpo_pairs,
     reward_rows,
@@ -105,8 +106,7 @@ def one_step(
         per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=gas,
         args_class=config_class,
-        bf16=False,
-        activation_checkpointing=False,
+        **cpu_config_flags(config_class),
         **config,
     )
     model = copy.deepcopy(model)
@@ -128,6 +128,7 @@ def train_log(trainer: Any) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------- import, configs, MRO
+@pytest.mark.compat
 def test_import_without_trl_names_the_extra(monkeypatch) -> None:
     import importlib
 
@@ -232,6 +233,7 @@ SFT_CASES = {
 }  # fmt: skip
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("split", SPLITS, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("case", list(SFT_CASES))
 def test_sft_step_is_the_mean_over_all_completion_tokens(tmp_path, case: str, split: tuple[int, int]) -> None:
@@ -326,6 +328,7 @@ def _dpo_run(trainer_class, config_class, tmp_path, *, split, model=None, pairs=
                     trainer_kwargs=kwargs, beta=BETA, **config)  # fmt: skip
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("split", SPLITS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_dpo_step_is_the_mean_over_all_pairs(tmp_path, split: tuple[int, int]) -> None:
     model, pairs = build_tiny_model("causal_lm"), dpo_pairs()
@@ -439,6 +442,7 @@ def test_dpo_metrics_stay_trl_metrics(tmp_path) -> None:
 CENTER = 0.01
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("split", SPLITS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_reward_step_is_the_mean_over_all_pairs(tmp_path, split: tuple[int, int]) -> None:
     model, rows = reward_model(), reward_rows()

@@ -36,6 +36,7 @@ from hf_gradacc.testing.trl_steps import (  # noqa: E402
     CHAT_TEMPLATE,
     build_tiny_reward_model,
     chat_conversations,
+    cpu_config_flags,
     dpo_dataset,
     dpo_pairs,
     reward_rows,
@@ -107,7 +108,7 @@ def one_step(
 ) -> tuple[dict[str, torch.Tensor], Any]:
     """Train a copy of ``model`` for one SGD(lr=1) step; return ``{name: initial - final}`` and the trainer."""
     args = one_step_args(str(tmp_path), per_device_train_batch_size=split[0], gradient_accumulation_steps=split[1],
-                         args_class=config_class, bf16=False, activation_checkpointing=False, **config)  # fmt: skip
+                         args_class=config_class, **cpu_config_flags(config_class), **config)  # fmt: skip
     trainer = trainer_class(model=copy.deepcopy(model), args=args, train_dataset=dataset,
                             processing_class=tokenizer or word_tokenizer(), **(trainer_kwargs or {}))  # fmt: skip
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
