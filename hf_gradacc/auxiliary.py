@@ -87,6 +87,11 @@ def _router_losses(model: nn.Module, outputs: Any) -> list[tuple[str, torch.Tens
     return found
 
 
+def returns_router_loss(model: nn.Module, outputs_seen: list[Any]) -> bool:
+    """Whether any of the forward passes in ``outputs_seen`` returned a router loss with a non-zero coefficient."""
+    return any(_router_losses(model, outputs) for outputs in outputs_seen)
+
+
 def split_model_loss(
     model: nn.Module,
     plain: torch.Tensor,

@@ -27,7 +27,7 @@ from transformers.trainer_utils import has_length
 from transformers.utils import logging
 
 from . import patches
-from .auxiliary import split_model_loss
+from .auxiliary import returns_router_loss, split_model_loss
 from .backends import Backend, resolve_backend
 from .builtin_loss import MAIN_TERM, batch_mean_loss, builtin_loss, model_mean_loss
 from .callbacks.base import GradAccCallback
@@ -432,6 +432,14 @@ class GradAccMixin:
             )  # fmt: skip
             if terms is not None:
                 parsed = LossOutput(terms=terms, outputs=parsed.outputs)
+            elif returns_router_loss(unwrapped, seen):
+                logger.warning_once(
+                    "compute_loss returned a plain value that is not the model's own loss, and the model returned a "
+                    "router load-balancing loss: the value is read as a mean over target tokens, so a router term "
+                    "added to it would be weighted by target tokens, not routed tokens. Return hf_gradacc.LossTerms "
+                    "(the router term as LossTerm(coef * aux * routed_tokens, 'input_tokens')), or the model's own "
+                    "`outputs.loss`, which hf_gradacc splits exactly."
+                )
         seen.clear()  # the outputs are not kept through the backward pass
         del inputs
         parts = window.normalized_terms(parsed, primary=self.primary_denominator, warn_on_plain_loss=self.gradacc.warn_on_plain_loss)

@@ -9,6 +9,7 @@ plain_compute_loss` on a saved Mixtral checkpoint exits 0.
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -59,8 +60,10 @@ def _run(trainer_class, family: str):
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("trainer_class", [PlainMoETrainer, _made_exact], ids=["mixin", "make_exact"])
-def test_outputs_loss_of_a_moe_model_is_exact(trainer_class, family: str) -> None:
-    update, reference, trainer = _run(trainer_class, family)
+def test_outputs_loss_of_a_moe_model_is_exact(trainer_class, family: str, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="hf_gradacc"):
+        update, reference, trainer = _run(trainer_class, family)
+    assert not [r for r in caplog.records if "not the model's own loss" in r.getMessage()]
     assert compare(update, reference).relative_error <= TOLERANCE
     router = compare(_router(update), _router(reference))
     assert router.relative_error <= ROUTER_TOLERANCE, router
@@ -74,6 +77,25 @@ def test_reading_it_whole_as_a_token_mean_is_off(family: str, monkeypatch) -> No
     monkeypatch.setattr(mixin_module, "split_model_loss", lambda *args, **kwargs: None)
     update, reference, _ = _run(PlainMoETrainer, family)
     assert compare(_router(update), _router(reference)).relative_error > 10 * ROUTER_TOLERANCE
+
+
+class OwnCrossEntropyPlusAuxTrainer(GradAccTrainer):
+    """A plain value that is NOT the model's loss (its own CE mean + coef x aux, in another order): not split."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        logits = outputs.logits.float()
+        ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return self.model.config.router_aux_loss_coef * outputs.aux_loss + ce
+
+
+def test_a_plain_value_with_a_router_term_of_its_own_is_warned_about(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="hf_gradacc"):
+        _run(OwnCrossEntropyPlusAuxTrainer, "mixtral")
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("hf_gradacc")]
+    assert any("not the model's own loss" in m and "routed tokens" in m for m in messages), messages
 
 
 def test_check_plain_compute_loss_on_a_saved_mixtral_exits_0(tmp_path, capsys) -> None:
