@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaForCausalLM, TrainerCallback
+from transformers import LlamaForCausalLM, Trainer, TrainerCallback
 
 import hf_gradacc
 from hf_gradacc import GradAccArguments, GradAccConfig, GradAccTrainer, LossTerm
@@ -95,6 +95,33 @@ def _returning(value_fn: Callable[[Any], Any]) -> type:
 
 def _trainer(**kwargs: Any) -> GradAccTrainer:
     return GradAccTrainer(model=build_tiny_model("causal_lm"), args=kwargs.pop("args", _args()), **kwargs)
+
+
+def _per_token_loss_func() -> None:
+    def per_token(outputs, labels, num_items_in_batch=None):
+        return F.cross_entropy(outputs.logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], reduction="none")
+
+    one_step_update(GradAccTrainer, build_tiny_model("causal_lm"), _samples(), _args(),
+                    trainer_kwargs={"compute_loss_func": per_token})  # fmt: skip
+
+
+def _make_exact_after_train() -> None:
+    _, trainer = one_step_update(Trainer, build_tiny_model("causal_lm"), _samples(), _args())
+    try:
+        hf_gradacc.make_exact(trainer)
+    finally:
+        assert type(trainer) is Trainer
+
+
+class _OwnStepTrainer(Trainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def _make_exact_training_step() -> None:
+    trainer = _OwnStepTrainer(model=build_tiny_model("causal_lm"), args=_args(), train_dataset=ListDataset(_samples()),
+                              data_collator=PaddingCollator())  # fmt: skip
+    hf_gradacc.make_exact(trainer)
 
 
 class _NaNOnce(LlamaForCausalLM):
@@ -500,6 +527,14 @@ CASES: list[Case] = [
          "GradientsNotReadyError", ("on_pre_optimizer_step",)),
     Case("grad_norm_depth", "`GradNormCallback(depth=0)`", "error", lambda: GradNormCallback(depth=0),
          "GradAccConfigError", ("`depth` (0)",)),
+    Case("loss_func_per_token", "`compute_loss_func` returning per-token losses (not a scalar)", "error",
+         _per_token_loss_func, "GradAccLossError", ("`compute_loss_func`", "num_items_in_batch", "LossTerm")),
+    Case("make_exact_not_a_trainer", "`make_exact(model)` (not a Trainer)", "error",
+         lambda: hf_gradacc.make_exact(build_tiny_model("causal_lm")), "GradAccTypeError", ("transformers.Trainer",)),
+    Case("make_exact_after_train", "`make_exact(trainer)` after `trainer.train()`", "error", _make_exact_after_train,
+         "GradAccUsageError", ("has started", "before `train()`"), result="the trainer is left as it was"),
+    Case("make_exact_training_step", "`make_exact` on a class that overrides `training_step`", "error",
+         _make_exact_training_step, "GradAccTypeError", ("overrides ['training_step']", "GradAccMixin")),
 ]
 
 
