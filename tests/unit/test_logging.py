@@ -13,7 +13,7 @@ import torch
 from hf_gradacc import GradAccTrainer
 from hf_gradacc.testing.one_step import one_step_args, one_step_update
 from hf_gradacc.testing.reference import compare, full_batch_loss, reference_gradients
-from hf_gradacc.testing.tiny import TASKS, PaddingCollator, build_tiny_model, make_samples
+from hf_gradacc.testing.tiny import TASKS, ListDataset, PaddingCollator, build_tiny_model, make_samples, two_term_loss
 
 TOLERANCE = 1e-5
 BATCH_SIZE, GA = 2, 4
@@ -61,3 +61,30 @@ def test_clipping_scales_the_exact_gradient_to_max_grad_norm() -> None:
     assert clipped.relative_error <= TOLERANCE, clipped
     logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     assert logged == pytest.approx([_norm(reference)], rel=TOLERANCE)  # the norm before clipping
+
+
+class _TwoTerms(GradAccTrainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        terms, outputs = two_term_loss(model, inputs, reg_weight=0.05)
+        return (terms, outputs) if return_outputs else terms
+
+
+def _term_logs(logging_steps: int) -> list[dict]:
+    samples = make_samples("causal_lm", BATCH_SIZE * GA * 4, seed=9)
+    args = one_step_args(per_device_train_batch_size=BATCH_SIZE, gradient_accumulation_steps=GA, max_steps=-1,
+                         num_train_epochs=1, logging_steps=logging_steps, learning_rate=0.1)  # fmt: skip
+    trainer = _TwoTerms(model=build_tiny_model("causal_lm"), args=args, train_dataset=ListDataset(samples),
+                        data_collator=PaddingCollator())  # fmt: skip
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss/ce" in h]
+
+
+def test_per_term_logs_are_averaged_over_the_logging_interval() -> None:
+    """Logging every 2 steps: `loss/<name>` is the MEAN of the interval's steps (as `loss` is), not their sum."""
+    every_step, every_other = _term_logs(1), _term_logs(2)
+    assert len(every_step) == 4 and len(every_other) == 2
+    for k, log in enumerate(every_other):
+        steps = every_step[2 * k : 2 * k + 2]
+        for key in ("loss", "loss/ce", "loss/reg"):
+            assert log[key] == pytest.approx(sum(s[key] for s in steps) / 2, rel=1e-4), (key, log, steps)
+        assert log["loss"] == pytest.approx(log["loss/ce"] + log["loss/reg"], rel=1e-4)

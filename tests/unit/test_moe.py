@@ -12,7 +12,14 @@ from transformers import LlamaForCausalLM, Trainer
 from hf_gradacc import GradAccConfig, GradAccLossError, GradAccTrainer
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.reference import compare, reference_gradients
-from hf_gradacc.testing.tiny import MOE_FAMILIES, PaddingCollator, build_tiny_model, build_tiny_moe, make_samples
+from hf_gradacc.testing.tiny import (
+    MOE_FAMILIES,
+    ListDataset,
+    PaddingCollator,
+    build_tiny_model,
+    build_tiny_moe,
+    make_samples,
+)
 
 TOLERANCE = 1e-5  # the whole update, float32 against float64
 # The router weights alone: a small-norm slice of the gradient, so float32 rounding weighs more (measured up to
@@ -91,3 +98,21 @@ def test_an_unmodelled_term_is_stopped_at_the_first_micro_batch() -> None:
     )
     update, _ = one_step_update(GradAccTrainer, model, samples, off)  # trains the head's loss, as asked
     assert compare_with_reference(update, base, samples, "causal_lm").relative_error <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_evaluate_keeps_the_router_term(family: str) -> None:
+    """`evaluate()` on one batch gives the model's own loss, router term included (coef x aux: ~0.9 % of it)."""
+    model = build_tiny_moe(family)
+    samples = make_samples("causal_lm", BS + 2, seed=31)
+    args = one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=1,
+                         per_device_eval_batch_size=len(samples))  # fmt: skip
+    trainer = GradAccTrainer(model=model, args=args, eval_dataset=ListDataset(samples), data_collator=PaddingCollator())
+    eval_loss = trainer.evaluate()["eval_loss"]
+    model.eval()
+    with torch.no_grad():
+        own = model(**PaddingCollator()(samples))
+    assert own.aux_loss is not None
+    router = float(model.config.router_aux_loss_coef * own.aux_loss)
+    assert router > 1e-3 * float(own.loss)  # leaving the router term out (~0.9 %) is far beyond the tolerance
+    assert eval_loss == pytest.approx(float(own.loss), rel=1e-5)

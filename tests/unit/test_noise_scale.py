@@ -145,6 +145,24 @@ def test_the_two_reads_are_the_mean_gradients_of_the_first_micro_batch_and_of_th
         assert abs(step.small_sq_norm / 16 - reference.small[k]) > 0.5 * reference.small[k]
 
 
+def test_unequal_micro_batches_use_the_first_micro_batch_size(tmp_path):
+    """The epoch's last step has micro-batches of 4, 4, 4 and 2 samples: the small batch is the FIRST micro-batch's
+    4 (the mean micro-batch, 3.5, would mis-scale its gradient and the estimate), the big one the step's 14."""
+    problem = NoiseProblem.with_noise_scale(16.0)
+    reference = ReferenceNorms(problem.model())
+    callback = GradientNoiseScaleCallback(keep_history=True)
+    args = _args(tmp_path, steps=-1, num_train_epochs=1)
+    trainer = ScoreSumTrainer(model=problem.model(), args=args, train_dataset=problem.dataset(3 * 16 - 2, seed=1),
+                              callbacks=[reference, callback])  # fmt: skip
+    trainer.train()
+    assert [(s.small_batch, s.big_batch) for s in callback.history] == [(4, 16), (4, 16), (4, 14)]
+    last = callback.history[-1]
+    assert last.small_sq_norm == pytest.approx(reference.small[-1], rel=EXACT)
+    assert last.big_sq_norm == pytest.approx(reference.big[-1], rel=EXACT)
+    expected = noise_scale_estimates(reference.small[-1], 4, reference.big[-1], 14)
+    assert (last.grad_sq, last.trace) == pytest.approx(expected, rel=1e-4)
+
+
 @pytest.mark.parametrize(("noise_scale", "bs", "ga"), [(16.0, 4, 4), (6.0, 2, 8), (48.0, 8, 8)])
 def test_the_estimate_is_within_20_percent_of_the_known_noise_scale(tmp_path, noise_scale, bs, ga):
     problem = NoiseProblem.with_noise_scale(noise_scale)
