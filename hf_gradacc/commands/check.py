@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import GradAccConfigError
-from .hf_gradacc_cli import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
+from ._common import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
 
 # The Auto class that loads a checkpoint for each task of `hf_gradacc.tiny.TASKS`.
 _AUTO_CLASSES: dict[str, str] = {

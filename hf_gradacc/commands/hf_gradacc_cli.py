@@ -25,9 +25,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-EXIT_OK = 0
-EXIT_NOT_EXACT = 1
-EXIT_USAGE = 2
+from . import _common
+from ._common import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
+
+__all__ = ["EXIT_NOT_EXACT", "EXIT_OK", "EXIT_USAGE", "build_parser", "console_main", "finish_command", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,17 +78,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return opts.handler(opts)
 
 
-_GLOO_GROUP_FINISHED = False  # set once a gloo process group was torn down in this process
-
-
-def finish_command() -> None:
-    """Tear the process group down at the end of a command (see :func:`console_main`)."""
-    global _GLOO_GROUP_FINISHED
-    from ..distributed import finish_distributed
-
-    _GLOO_GROUP_FINISHED = finish_distributed() or _GLOO_GROUP_FINISHED
-
-
 def console_main() -> int:
     """The `hf-gradacc` executable: :func:`main`, then an exit that is safe on CPU ranks.
 
@@ -97,17 +87,9 @@ def console_main() -> int:
     :func:`main` to call the command from Python.
     """
     status = main()
-    if _GLOO_GROUP_FINISHED:
+    if _common.gloo_group_finished():
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
     return status
-
-
-def _package_version() -> str:
-    from . import __version__
-
-    return __version__
-
-
