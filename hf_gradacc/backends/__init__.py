@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UnsupportedBackendError
@@ -104,16 +103,3 @@ def resolve_backend(
         f"Supported: {', '.join(SUPPORTED_BACKENDS)}. Change the accelerate config (`distributed_type`)."
     )
 
-
-def __getattr__(name: str) -> Any:
-    if name == "finish_distributed":  # moved in 0.2: it tears the process group down, it is not a backend
-        warnings.warn(
-            "`hf_gradacc.backends.finish_distributed` moved to `hf_gradacc.distributed.finish_distributed`; the old "
-            "path will be removed in the next release.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        from ..distributed import finish_distributed
-
-        return finish_distributed
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

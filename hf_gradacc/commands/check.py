@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import GradAccConfigError
 from ._common import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
 
-# The Auto class that loads a checkpoint for each task of `hf_gradacc.tiny.TASKS`.
+# The Auto class that loads a checkpoint for each task of `hf_gradacc.testing.tiny.TASKS`.
 _AUTO_CLASSES: dict[str, str] = {
     "causal_lm": "AutoModelForCausalLM",
     "seq2seq": "AutoModelForSeq2SeqLM",

@@ -59,7 +59,7 @@ def sample_lengths(
 
     Example:
         ```python
-        from hf_gradacc.regroup import sample_lengths
+        from hf_gradacc.data import sample_lengths
         lengths = sample_lengths(train_dataset)            # [37, 5, 112, ...]
         ```
     """
@@ -272,7 +272,7 @@ class WindowRegroupBatchSampler(Sampler[list[int]]):
     Example:
         ```python
         from torch.utils.data import DataLoader, SequentialSampler
-        from hf_gradacc.regroup import WindowRegroupBatchSampler
+        from hf_gradacc.data import WindowRegroupBatchSampler
 
         batch_sampler = WindowRegroupBatchSampler(
             SequentialSampler(dataset), lengths, batch_size=8, gradient_accumulation_steps=8

@@ -106,8 +106,8 @@ def train_loss_curves(
 
     Example:
         ```python
-        from hf_gradacc.plot import draw_loss_curves, train_loss_curves
-        from hf_gradacc.tiny import PaddingCollator, build_tiny_model, make_samples
+        from hf_gradacc.testing.loss_curves import draw_loss_curves, train_loss_curves
+        from hf_gradacc.testing.tiny import PaddingCollator, build_tiny_model, make_samples
 
         curves = train_loss_curves(build_tiny_model("masked_lm"), "masked_lm", make_samples("masked_lm", 80),
                                    per_device_train_batch_size=2, gradient_accumulation_steps=4,
@@ -197,7 +197,7 @@ def draw_loss_curves(curves: dict[str, dict[str, list[float]]], path: str, *, ti
 
     Example:
         ```python
-        from hf_gradacc.plot import draw_loss_curves
+        from hf_gradacc.testing.loss_curves import draw_loss_curves
         draw_loss_curves({"full batch, GA 1 (ground truth)": {"loss": [2.0, 1.5]}}, "curves.png")
         ```
     """

@@ -2,7 +2,7 @@
 
 This is the engine of `hf-gradacc check` and of the exactness tests: run a trainer for ONE optimizer step with
 SGD(lr=1, no momentum, no weight decay, no clipping) on a dataset of exactly one window, so that the parameter
-update is minus the accumulated gradient, and compare it with :mod:`hf_gradacc.reference`.
+update is minus the accumulated gradient, and compare it with :mod:`hf_gradacc.testing.reference`.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def build_tiny_model(task: str = "causal_lm", *, seed: int = 0, hidden_size: int
 
     Example:
         ```python
-        from hf_gradacc.tiny import build_tiny_model
+        from hf_gradacc.testing.tiny import build_tiny_model
         model = build_tiny_model("sequence_classification")
         ```
     """
@@ -349,7 +349,7 @@ class PaddingCollator:
 
     Example:
         ```python
-        from hf_gradacc.tiny import PaddingCollator, make_samples
+        from hf_gradacc.testing.tiny import PaddingCollator, make_samples
         batch = PaddingCollator()(make_samples("causal_lm", 4))
         ```
     """

@@ -11,7 +11,6 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_gradacc"
 TOOLING = ("commands", "testing")
-DEPRECATED = {"tiny", "reference", "check", "plot", "bench", "regroup", "cli"}  # 0.1 paths, kept for one release
 
 
 def _module_name(path: Path, root: Path = PACKAGE.parent) -> str:
@@ -71,7 +70,7 @@ def _imports(path: Path, *, top_level_only: bool, root: Path = PACKAGE.parent) -
     return found
 
 
-MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py") if not (p.parent == PACKAGE and p.stem in DEPRECATED)}
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
 def _part(name: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import sys
 
 import pytest
 from transformers import HfArgumentParser, Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
@@ -155,35 +154,11 @@ def test_gradacc_config_class_parses_both_argument_sets():
         gradacc_config_class(dict)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(
-    "old, new",
-    [
-        ("hf_gradacc.tiny", "hf_gradacc.testing.tiny"),
-        ("hf_gradacc.reference", "hf_gradacc.testing.reference"),
-        ("hf_gradacc.check", "hf_gradacc.testing.one_step"),
-        ("hf_gradacc.plot", "hf_gradacc.testing.loss_curves"),
-        ("hf_gradacc.bench", "hf_gradacc.testing.benchmark"),
-        ("hf_gradacc.regroup", "hf_gradacc.data"),
-        ("hf_gradacc.cli", "hf_gradacc.commands.hf_gradacc_cli"),
-    ],
-)
-def test_old_import_paths_warn_and_still_work(old, new):
-    sys.modules.pop(old, None)
-    with pytest.warns(FutureWarning, match=f"`{old}` moved to `{new}`"):
-        module = importlib.import_module(old)
-    new_module = importlib.import_module(new)
-    public = getattr(new_module, "__all__", None) or [
-        n for n in dir(new_module) if not n.startswith("_") and getattr(getattr(new_module, n), "__module__", "") == new
-    ]
-    assert public and all(getattr(module, n) is getattr(new_module, n) for n in public)
-
-
-def test_old_finish_distributed_path_warns():
-    import hf_gradacc.backends as backends
-    from hf_gradacc.distributed import finish_distributed
-
-    with pytest.warns(FutureWarning, match="hf_gradacc.distributed.finish_distributed"):
-        assert backends.finish_distributed is finish_distributed
+@pytest.mark.parametrize("old", ["tiny", "reference", "check", "plot", "bench", "regroup", "cli", "_deprecated"])
+def test_the_0_1_module_paths_are_gone(old):
+    # Removed in 0.2 (CHANGELOG.md names the new paths): hf_gradacc.testing.*, hf_gradacc.data, hf_gradacc.commands.
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"hf_gradacc.{old}")
 
 
 def test_training_arguments_are_not_changed_by_the_mixin():
