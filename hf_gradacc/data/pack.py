@@ -215,10 +215,11 @@ class WindowPackBatchSampler(WindowRegroupBatchSampler):
     :attr:`num_micro_batches_per_window` tells the training loop how many each rank gets in each step (usually
     fewer than ``gradient_accumulation_steps``: a row holds the tokens of several stock micro-batches).
 
+    ``sampler``, ``lengths``, ``batch_size``, ``gradient_accumulation_steps``, ``num_processes``, ``drop_last`` and
+    ``even_batches`` are as for :class:`~hf_gradacc.data.regroup.WindowRegroupBatchSampler` (``batch_size`` and
+    ``gradient_accumulation_steps`` define the stock steps, not the packed rows).
+
     Args:
-        sampler / lengths / batch_size / gradient_accumulation_steps / num_processes / drop_last / even_batches: as
-            for :class:`~hf_gradacc.data.regroup.WindowRegroupBatchSampler` (``batch_size`` and
-            ``gradient_accumulation_steps`` define the stock steps, not the packed rows).
         max_tokens_per_micro_batch: the most tokens in a packed row. ``None``: per step, the padded size (rows x
             longest row) of the largest micro-batch the stock run computes in that step. A packed row then holds no
             more token positions than a micro-batch the stock run already fits in memory (same linear-layer

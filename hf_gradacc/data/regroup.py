@@ -265,7 +265,8 @@ class WindowRegroupBatchSampler(Sampler[list[int]]):
         batch_size: the stock per-device micro-batch size.
         gradient_accumulation_steps: stock micro-batches per rank per optimizer step.
         num_processes: data-parallel ranks that the batches are dealt to.
-        drop_last / even_batches: as in the stock dataloader and accelerate.
+        drop_last: as in the stock dataloader.
+        even_batches: as in accelerate.
         max_tokens_per_micro_batch: cap on rows x longest row per micro-batch; ``None``: the window's largest stock
             micro-batch (no micro-batch grows, the count per window stays the stock one).
 
