@@ -72,6 +72,15 @@ def test_nan_written_by_a_hook_on_one_rank_drops_the_step_on_both(backend: str) 
         assert any("not finite" in w for w in result["warnings"]), result
 
 
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "deepspeed"])
+def test_a_checkpoint_missing_one_ranks_file_is_passed_over_on_both_ranks(backend: str) -> None:
+    for result in _launch("save_resume", backend):
+        assert result is not None and "crash" not in result, result
+        assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= set(result["listed"]), result
+        assert result["global_step"] == 2, result
+        assert result["warnings"] and "rng_state_1.pth" in result["warnings"][0], result
+
+
 def test_uneven_data_prefetched_is_the_same_clear_error_on_every_rank() -> None:
     for result in _launch("uneven_prefetched", expect_failure=True):
         assert result is not None and result["error_type"] == "GradAccDataError", result

@@ -11,6 +11,8 @@ Cases:
   equals the float64 reference of its own samples (backends: ddp, fsdp2, deepspeed through accelerate).
 * ``hook_nan_one_rank``: an accumulated-gradient hook writes NaN on rank 1 only, after the reduction: both ranks
   drop step 1 together (one verdict from values agreed across ranks), step 2 is exact.
+* ``save_resume``: 2 ranks save into one folder (the marker lists both RNG states); with rank 1's RNG state of the
+  newest checkpoint gone, ``resume_from_checkpoint=True`` takes the older one on both ranks.
 * ``uneven_prefetched`` / ``uneven_streamed``: the ranks' data run out at different steps (``even_batches=False``):
   the default path stops every rank with the same clear error; ``defer_normalization`` trains every step exactly.
 * ``tokens_seen_uneven``: ``include_num_input_tokens_seen='all'`` with a [2, 1] window: no per-micro-batch
@@ -20,11 +22,13 @@ Cases:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +38,7 @@ from hf_gradacc import GradAccConfig, GradAccTrainer
 from hf_gradacc.testing.one_step import full_parameters, one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
-from tests.distributed.workers._common import WarningRecorder, finish_worker, rank, world_size, write_result
+from tests.distributed.workers._common import WarningRecorder, finish_worker, out_dir, rank, world_size, write_result
 
 BS, GA = 2, 2
 TIMEOUT_S = 10
@@ -111,7 +115,8 @@ def _args(backend: str, **overrides: Any) -> GradAccConfig:
     else:
         kwargs["use_cpu"] = True
     kwargs.update(overrides)
-    return one_step_args(tempfile.mkdtemp(prefix="hf_gradacc_fault_"), per_device_train_batch_size=BS,
+    output_dir = kwargs.pop("output_dir", None) or tempfile.mkdtemp(prefix="hf_gradacc_fault_")
+    return one_step_args(output_dir, per_device_train_batch_size=BS,
                          gradient_accumulation_steps=GA, args_class=GradAccConfig, **kwargs)  # fmt: skip
 
 
@@ -122,14 +127,15 @@ def _model() -> PoisonableLlama:
     return model
 
 
-def _train(backend: str, samples: list, *, callbacks=(), **overrides: Any) -> tuple[Sequential, Snapshots]:
+def _train(backend: str, samples: list, *, callbacks=(), resume_from_checkpoint: Any = None,
+           **overrides: Any) -> tuple[Sequential, Snapshots]:  # fmt: skip
     model = _model()
     snapshots = Snapshots()
     trainer = Sequential(model=model, args=_args(backend, **overrides), train_dataset=ListDataset(samples),
                          data_collator=PaddingCollator(), callbacks=[snapshots, *callbacks])  # fmt: skip
     snapshots.trainer = trainer
     model.trainer = trainer
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer, snapshots
 
 
@@ -217,6 +223,32 @@ def case_hook_nan_one_rank(backend: str) -> dict[str, Any]:
     }
 
 
+def case_save_resume(backend: str) -> dict[str, Any]:
+    """2 ranks save every step into one shared folder; the marker lists both ranks' RNG states. Then rank 1's
+    ``rng_state_1.pth`` of the newest checkpoint is removed (its rank died while saving): ``resume_from_checkpoint=True``
+    takes the older checkpoint on BOTH ranks (agreed), with a warning naming the file, and finishes the epoch."""
+    import torch.distributed as dist
+
+    from hf_gradacc.checkpoints import COMPLETE_NAME
+
+    samples = _samples(GA * world_size() * 2, seed=6)
+    shared = str(out_dir() / "save_resume")
+    save = dict(output_dir=shared, save_strategy="steps", save_steps=1, optim="adamw_torch", learning_rate=1e-3)
+    trainer, _ = _train(backend, samples, **save)
+    listed = json.loads((Path(shared) / "checkpoint-2" / COMPLETE_NAME).read_text())["files"]
+    dist.barrier()
+    if rank() == 1:
+        os.remove(os.path.join(shared, "checkpoint-2", "rng_state_1.pth"))
+    dist.barrier()
+    with WarningRecorder() as warnings:
+        resumed, _ = _train(backend, samples, resume_from_checkpoint=True, **save)
+    return {
+        "listed": sorted(listed),
+        "global_step": resumed.state.global_step,
+        "warnings": [w for w in warnings.messages if "Resuming from" in w],
+    }
+
+
 def case_uneven(streamed: bool, backend: str) -> dict[str, Any]:
     samples = _samples(5, seed=3)  # 5 micro-batches: rank 0 gets 3, rank 1 gets 2 (even_batches=False)
     overrides = dict(defer_normalization=streamed, accelerator_config={"even_batches": False})
@@ -263,6 +295,7 @@ def main() -> None:
         "erroring": lambda: case_peer_fault("erroring", opts.backend),
         "nan_one_rank": lambda: case_nan_one_rank(opts.backend),
         "hook_nan_one_rank": lambda: case_hook_nan_one_rank(opts.backend),
+        "save_resume": lambda: case_save_resume(opts.backend),
         "uneven_prefetched": lambda: case_uneven(False, opts.backend),
         "uneven_streamed": lambda: case_uneven(True, opts.backend),
         "tokens_seen_uneven": lambda: case_tokens_seen(opts.backend),
