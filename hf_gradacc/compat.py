@@ -174,6 +174,18 @@ def shard_even_batches(even_batches: bool) -> bool:
     return even_batches and accelerate_shards_variable_batches()
 
 
+@functools.cache
+def has_sampling_strategy(name: str) -> bool:
+    """Whether this transformers' `Trainer` knows ``train_sampling_strategy=name``. ``"batch_rebalance"`` is in 5.24
+    but not in 5.6 or 5.16, whose Trainer takes an unknown value silently as random order."""
+    from transformers import Trainer
+
+    try:
+        return f'"{name}"' in inspect.getsource(Trainer._get_train_sampler)
+    except (OSError, TypeError):  # no source to read: assume it is there, as in the newest release
+        return True
+
+
 def package_of(member: PrivateMember) -> str:
     return member.owner.split(".", 1)[0]
 
@@ -183,6 +195,18 @@ def installed_version(package: str) -> str:
         return importlib.import_module(package).__version__
     except Exception:  # noqa: BLE001 - absent, or without a version attribute
         return "not installed"
+
+
+@functools.cache
+def trl_at_least(version: str) -> bool:
+    """Whether the installed TRL is ``version`` or newer (False without TRL). The one place hf_gradacc.trl and its
+    tests ask which TRL feature this installation has (docs/compatibility.md, "What depends on the version")."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(installed_version("trl")) >= Version(version)
+    except InvalidVersion:  # "not installed"
+        return False
 
 
 def resolve_owner(member: PrivateMember) -> type:

@@ -142,11 +142,13 @@ def build_train_dataloader(
         "num_workers": args.dataloader_num_workers,
         "pin_memory": args.dataloader_pin_memory,
         "persistent_workers": args.dataloader_persistent_workers,
-        "multiprocessing_context": args.dataloader_multiprocessing_context,
         "prefetch_factor": args.dataloader_prefetch_factor,
-        "in_order": args.dataloader_in_order,
         "worker_init_fn": partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
     }
+    # TrainingArguments fields that transformers 5.6 does not have yet (its Trainer passes neither to the DataLoader)
+    for key in ("multiprocessing_context", "in_order"):
+        if hasattr(args, f"dataloader_{key}"):
+            params[key] = getattr(args, f"dataloader_{key}")
     shard_even = shard_even_batches(accelerator.even_batches)
     if shard_even == accelerator.even_batches or accelerator.num_processes == 1:
         dataloader = accelerator.prepare(DataLoader(dataset, **params))

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ..compat import has_sampling_strategy
 from ..errors import GradAccConfigError, GradAccUsageError  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -366,6 +367,7 @@ def _flat_params(model: torch.nn.Module) -> torch.Tensor:
 
 def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
     """Measure every trainer of ``settings.trainers`` on ``dataset`` in one interleaved run."""
+    import transformers
     from transformers import DataCollatorWithFlattening, PrinterCallback, Trainer
 
     from ..trainer import GradAccTrainer
@@ -374,6 +376,13 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
     unknown = sorted(set(settings.trainers) - set(TRAINERS))
     if unknown or "stock" not in settings.trainers:
         raise GradAccConfigError(f"`trainers` ({settings.trainers}) must include 'stock' and come from {TRAINERS}")
+    missing = [n for n, strategy in _STOCK_SAMPLING.items() if n in settings.trainers and not has_sampling_strategy(strategy)]
+    if missing:  # an unknown strategy would silently run in random order under that row's name
+        logger.warning(
+            f"bench: transformers {transformers.__version__} has no train_sampling_strategy "
+            f"{[_STOCK_SAMPLING[n] for n in missing]}; the rows {missing} are left out."
+        )
+        settings = replace(settings, trainers=tuple(n for n in settings.trainers if n not in missing))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     num_samples = (
         settings.per_device_train_batch_size

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import LlamaForCausalLM, Trainer
 
 from hf_gradacc import GradAccTrainer
@@ -54,6 +56,14 @@ def _about_4x(c: Comparison) -> bool:
     return 3.9 <= c.norm_ratio <= 4.1 and c.cosine > 0.9999
 
 
+def _stock_causal_lm(c: Comparison) -> bool:
+    """Exact on transformers 5.16.1 and 5.24.0; on 5.6.0 the stock step is 1.9 % too small (norm ratio 0.981, cosine
+    1.0): it divides by more items than the step's target tokens (measured in CI's LLaMA-Factory stack). Versions between were not measured."""
+    if Version(transformers.__version__) >= Version("5.16"):
+        return _exact(c)
+    return 1e-3 < c.relative_error < 0.05 and c.cosine > 0.9999 and c.norm_ratio < 1
+
+
 def _wrong(c: Comparison) -> bool:
     return c.relative_error > 1.0
 
@@ -71,7 +81,7 @@ class Case:
 
 
 CASES = [
-    Case("causal_lm", "causal_lm", lambda: build_tiny_model("causal_lm"), _exact),
+    Case("causal_lm", "causal_lm", lambda: build_tiny_model("causal_lm"), _stock_causal_lm),
     Case("seq2seq", "seq2seq", lambda: build_tiny_model("seq2seq"), _wrong),
     Case("masked_lm", "masked_lm", lambda: build_tiny_model("masked_lm"), _wrong),
     Case("token_classification", "token_classification", lambda: build_tiny_model("token_classification"), _wrong),
@@ -91,7 +101,7 @@ CASES = [
     # ConvNeXt (no BatchNorm) declares accepts_loss_kwargs=False: the stock step is the mean of micro-batch means.
     Case("image_classification", "image_classification", lambda: build_tiny_model("image_classification"),
          _cosine_below_099),
-    Case("peft_lora_causal_lm", "causal_lm", _lora_causal_lm, _exact),
+    Case("peft_lora_causal_lm", "causal_lm", _lora_causal_lm, _stock_causal_lm),
     Case("accepts_loss_kwargs_false", "causal_lm", _no_loss_kwargs_causal_lm, _cosine_below_099),
 ]
 CASE_IDS = [c.name for c in CASES]
