@@ -36,6 +36,7 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE_NAME = "trainer_state.json"
 SAVING_NAME = "hf_gradacc_saving"  # written first: hf_gradacc is saving this folder
 COMPLETE_NAME = "hf_gradacc_complete.json"  # written last, after every rank saved: the folder's files and sizes
+DATA_NAME = "hf_gradacc_data.json"  # what the data position means: batch, GA / schedule, world size, dataset, seed
 _MARKERS = (SAVING_NAME, COMPLETE_NAME, f".{COMPLETE_NAME}.tmp")
 # What `Trainer._load_from_checkpoint` accepts as model weights (full, sharded, PEFT adapter, FSDP, DeepSpeed).
 _WEIGHTS = (
@@ -241,22 +242,89 @@ def latest_complete_checkpoint(output_dir: str, *, world_size: int = 1) -> str:
     )
 
 
-def resolve_resume(value: str | bool | None, output_dir: str, *, world_size: int = 1) -> str | bool | None:
+def resolve_resume(trainer: Any, value: str | bool | None) -> str | bool | None:
     """What `Trainer.train` gets for ``resume_from_checkpoint``: ``True`` becomes the newest complete checkpoint;
     a folder is checked and refused with :class:`~hf_gradacc.GradAccConfigError` naming the missing or broken file
-    when it cannot be resumed; anything else passes through."""
+    when it cannot be resumed, or naming the setting when it was saved with another data layout
+    (:func:`check_data_layout`); anything else passes through."""
+    world_size = trainer.args.world_size
     if value is True:
-        return latest_complete_checkpoint(output_dir, world_size=world_size)
-    if not isinstance(value, (str, os.PathLike)):
+        path = latest_complete_checkpoint(trainer.args.output_dir, world_size=world_size)
+    elif isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        problems = _agreed({path: checkpoint_problems(path, world_size=world_size)})[path]
+        if problems:
+            raise GradAccConfigError(
+                f"`resume_from_checkpoint` ({path!r}) cannot be resumed: {'; '.join(problems)}. Resume from an older "
+                "checkpoint (`resume_from_checkpoint=True` picks the newest complete one), or start without it."
+            )
+    else:
         return value
-    path = os.fspath(value)
-    problems = _agreed({path: checkpoint_problems(path, world_size=world_size)})[path]
-    if problems:
-        raise GradAccConfigError(
-            f"`resume_from_checkpoint` ({path!r}) cannot be resumed: {'; '.join(problems)}. Resume from an older "
-            "checkpoint (`resume_from_checkpoint=True` picks the newest complete one), or start without it."
-        )
+    check_data_layout(path, data_layout(trainer))
     return path
+
+
+# ---------------------------------------------------------------------------------------------- the data position
+# What the data position of a checkpoint means: `Trainer` resumes by skipping `global_step` x (the NEW run's samples
+# per step) of the epoch's order, so any of these that changed loses or repeats samples, silently.
+_LAYOUT_FIELDS = (
+    "per_device_train_batch_size", "gradient_accumulation_steps", "accumulation_schedule", "world_size",
+    "num_train_samples", "seed", "data_seed", "dataloader_drop_last", "regroup_micro_batches",
+    "max_tokens_per_micro_batch", "pack_micro_batches",
+)  # fmt: skip
+
+
+_UNKNOWN_IF_NONE = ("per_device_train_batch_size", "num_train_samples")  # auto_find_batch_size, an IterableDataset
+
+
+def data_layout(trainer: Any) -> dict[str, Any]:
+    """What decides which samples each optimizer step of ``trainer`` takes (recorded in every checkpoint)."""
+    from transformers.trainer_utils import has_length
+
+    args, settings = trainer.args, trainer.gradacc
+    dataset = trainer.train_dataset
+    schedule = settings.accumulation_schedule
+    layout = {
+        "per_device_train_batch_size": None if args.auto_find_batch_size else args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "accumulation_schedule": None if schedule is None else str(schedule),
+        "world_size": args.world_size,
+        "num_train_samples": len(dataset) if dataset is not None and has_length(dataset) else None,
+        "seed": args.seed,
+        "data_seed": args.data_seed,
+        "dataloader_drop_last": args.dataloader_drop_last,
+        "regroup_micro_batches": settings.regroup_micro_batches,
+        "max_tokens_per_micro_batch": settings.max_tokens_per_micro_batch,
+        "pack_micro_batches": settings.pack_micro_batches,
+    }
+    return {name: layout[name] for name in _LAYOUT_FIELDS}
+
+
+def check_data_layout(path: str, current: dict[str, Any]) -> None:
+    """Raise :class:`~hf_gradacc.GradAccConfigError` when the checkpoint at ``path`` was saved mid-training with a data
+    layout other than ``current``: the resume would skip the wrong samples (GA 2 -> 4 at step 2 of 6: 6 of the epoch's
+    24 samples never trained). Checkpoints saved without hf_gradacc's ``hf_gradacc_data.json`` are not judged."""
+    try:
+        with open(os.path.join(path, DATA_NAME)) as f:
+            saved = json.load(f)
+        with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
+            step = int(json.load(f).get("global_step", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return
+    changed = [
+        f"{name}={saved[name]!r} (this run: {current[name]!r})"
+        for name in _LAYOUT_FIELDS
+        if name in saved and saved[name] != current.get(name)
+        and not (name in _UNKNOWN_IF_NONE and None in (saved[name], current.get(name)))
+    ]
+    if step == 0 or not changed:
+        return
+    raise GradAccConfigError(
+        f"`resume_from_checkpoint` ({path!r}) was saved at step {step} with {', '.join(changed)}. The resume skips "
+        "`global_step` times THIS run's samples per step of the epoch's order, so samples would be lost or trained "
+        "twice, silently. Resume with the checkpoint's values, or start a new run from its weights "
+        "(`from_pretrained` on the folder) without `resume_from_checkpoint`."
+    )
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -297,6 +365,8 @@ def checkpoint_save(trainer: Any, trial: Any) -> Iterator[None]:
         args.save_total_limit = limit
     trainer.accelerator.wait_for_everyone()  # every rank's files (RNG state, shards) are written
     if args.should_save:
+        with open(os.path.join(folder, DATA_NAME), "w") as f:
+            json.dump(data_layout(trainer), f, indent=1)
         _write_marker(folder)
         rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                            best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)  # fmt: skip

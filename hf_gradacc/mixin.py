@@ -264,8 +264,9 @@ class GradAccMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`; ``resume_from_checkpoint=True`` takes the newest checkpoint that can be resumed
         (:func:`~hf_gradacc.checkpoints.latest_complete_checkpoint`), passing over a save that was killed midway; a
-        named folder that cannot be resumed is refused, naming the missing or broken file."""
-        resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir, world_size=self.args.world_size)
+        named folder that cannot be resumed is refused, naming the missing or broken file, and so is one saved with
+        another data layout (batch, GA or schedule, world size, dataset, seed), which would lose or repeat samples."""
+        resume_from_checkpoint = resolve_resume(self, resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:

@@ -243,6 +243,19 @@ def _resume_damaged(damage: str, explicit: bool) -> str:
     return out
 
 
+def _resume_changed(**change: Any) -> None:
+    """Saved at step 1 of 3 with batch 2 x GA 4, resumed with ``change``."""
+    out = tempfile.mkdtemp(prefix="hf_gradacc_changed_")
+    samples = _samples(n=BS * GA * 3, seed=16)
+    kwargs = dict(output_dir=out, max_steps=-1, num_train_epochs=1, save_strategy="steps", save_steps=1)
+    GradAccTrainer(model=build_tiny_model("causal_lm"), args=_args(**kwargs), train_dataset=ListDataset(samples),
+                   data_collator=PaddingCollator()).train()  # fmt: skip
+    args = one_step_args(args_class=GradAccConfig, **{"per_device_train_batch_size": BS,
+                                                      "gradient_accumulation_steps": GA, **kwargs, **change})  # fmt: skip
+    GradAccTrainer(model=build_tiny_model("causal_lm"), args=args, train_dataset=ListDataset(samples),
+                   data_collator=PaddingCollator()).train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))  # fmt: skip
+
+
 def _resume_nothing() -> None:
     args = _args(output_dir=tempfile.mkdtemp(prefix="hf_gradacc_empty_"))
     _trainer(args=args, train_dataset=ListDataset(_samples()), data_collator=PaddingCollator()).train(
@@ -510,6 +523,16 @@ CASES: list[Case] = [
          lambda: _resume_damaged("optimizer", explicit=True), "GradAccConfigError",
          ("optimizer.pt is missing", "fresh optimizer moments", "resume_from_checkpoint=True"),
          result="never a silent fresh start"),
+    Case("resume_changed_ga", "resuming mid-epoch with another `gradient_accumulation_steps` (4 -> 2)", "error",
+         lambda: _resume_changed(gradient_accumulation_steps=2), "GradAccConfigError",
+         ("gradient_accumulation_steps=4 (this run: 2)", "samples would be lost or trained twice"),
+         result="the stock Trainer skips global_step x the NEW samples per step, silently"),
+    Case("resume_changed_batch", "resuming mid-epoch with another per-device batch (2 -> 4)", "error",
+         lambda: _resume_changed(per_device_train_batch_size=4), "GradAccConfigError",
+         ("per_device_train_batch_size=2 (this run: 4)",)),
+    Case("resume_changed_schedule", "resuming mid-epoch with an `accumulation_schedule` added", "error",
+         lambda: _resume_changed(accumulation_schedule="0:4,2:8"), "GradAccConfigError",
+         ("accumulation_schedule=None",)),
     Case("resume_no_checkpoint", "`resume_from_checkpoint=True` with no checkpoint", "error", _resume_nothing,
          "GradAccConfigError", ("no complete checkpoint",)),
     Case("not_an_oom", "`auto_micro_batch` and a RuntimeError that mentions 'out of memory'", "error", _not_an_oom,

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from hf_gradacc import GradAccConfigError, GradAccTrainer
+from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccTrainer
 from hf_gradacc import checkpoints as ckpt
 from hf_gradacc.checkpoints import COMPLETE_NAME, SAVING_NAME, checkpoint_problems, latest_complete_checkpoint
 from hf_gradacc.testing.one_step import one_step_args
@@ -30,9 +30,9 @@ WRITE_ORDER = ("model.safetensors", "config.json", "generation_config.json", "tr
 
 
 def _trainer(out: str, **overrides) -> GradAccTrainer:
-    args = one_step_args(out, per_device_train_batch_size=BS, gradient_accumulation_steps=GA, max_steps=-1,
-                         num_train_epochs=1, save_strategy="steps", save_steps=1, optim="adamw_torch",
-                         learning_rate=1e-2, **overrides)  # fmt: skip
+    kwargs = dict(per_device_train_batch_size=BS, gradient_accumulation_steps=GA, max_steps=-1, num_train_epochs=1,
+                  save_strategy="steps", save_steps=1, optim="adamw_torch", learning_rate=1e-2)  # fmt: skip
+    args = one_step_args(out, args_class=GradAccConfig, **{**kwargs, **overrides})
     samples = make_samples("causal_lm", BS * GA * STEPS, seed=21)
     return GradAccTrainer(model=build_tiny_model("causal_lm"), args=args, train_dataset=ListDataset(samples),
                           data_collator=PaddingCollator())  # fmt: skip
@@ -81,7 +81,7 @@ def test_a_save_leaves_its_marker_and_every_checkpoint_resumable(saved) -> None:
         folder = os.path.join(out, f"checkpoint-{step}")
         assert os.path.isfile(os.path.join(folder, COMPLETE_NAME)) and not os.path.exists(os.path.join(folder, SAVING_NAME))
         listed = json.load(open(os.path.join(folder, COMPLETE_NAME)))["files"]
-        assert set(listed) == set(WRITE_ORDER), listed
+        assert set(listed) == {*WRITE_ORDER, ckpt.DATA_NAME}, listed
         assert checkpoint_problems(folder) == []
     assert latest_complete_checkpoint(out).endswith(f"checkpoint-{STEPS}")
 
@@ -184,3 +184,33 @@ def _truncate(path: str) -> None:
         data = f.read()
     with open(path, "wb") as f:
         f.write(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps=2 (this run: 4)"),
+        ({"per_device_train_batch_size": 4}, "per_device_train_batch_size=2 (this run: 4)"),
+        ({"seed": 1}, "seed=42 (this run: 1)"),
+        ({"accumulation_schedule": "0:2,2:4"}, "accumulation_schedule=None"),
+        ({"world_size": 2}, "world_size=2 (this run: 1)"),  # a checkpoint of 2 ranks resumed on 1 process
+    ],
+    ids=["ga", "batch", "seed", "schedule", "world_size"],
+)
+def test_resuming_with_another_data_layout_is_a_clear_error(saved, tmp_path, change, named) -> None:
+    """The resume skips global_step x THIS run's samples per step: a changed layout would lose or repeat samples."""
+    out, _ = saved
+    folder = str(tmp_path / "checkpoint-1")
+    shutil.copytree(os.path.join(out, "checkpoint-1"), folder)
+    overrides = dict(change)
+    if "world_size" in overrides:  # the checkpoint's record says 2 ranks
+        path = os.path.join(folder, ckpt.DATA_NAME)
+        layout = json.load(open(path))
+        layout["world_size"] = overrides.pop("world_size")
+        json.dump(layout, open(path, "w"))
+        ckpt._write_marker(folder)
+    with pytest.raises(GradAccConfigError) as info:
+        _trainer(str(tmp_path), **overrides).train(resume_from_checkpoint=folder)
+    assert named in str(info.value) and "samples would be lost" in str(info.value), str(info.value)
+    with pytest.raises(GradAccConfigError):  # `True` picks that folder and refuses it alike
+        _trainer(str(tmp_path), **overrides).train(resume_from_checkpoint=True)
