@@ -1,0 +1,279 @@
+"""The axolotl plugin, with REAL `axolotl train` runs (subprocesses, CPU, a tiny local Llama, no Hub).
+
+Each run is ONE SGD step (lr 1, no clipping, no warm-up, no weight decay) over every sample of a local JSONL file;
+the update is read from the saved model against the initial checkpoint. The reference is the same run at
+``micro_batch_size: 8, gradient_accumulation_steps: 1`` (one micro-batch: the full batch, exact in stock axolotl);
+the plugin at ``micro_batch_size: 2, gradient_accumulation_steps: 4`` must equal it within 1e-5 (relative), and
+stock axolotl at 2 x 4 must not (> 1e-3), so each test can fail. Samples of unequal lengths and unequal trained
+tokens (prompts not trained on: ``-100`` labels), reward pairs of unequal lengths, 7 pairs (micro-batches 2+2+2+1).
+
+Skipped without axolotl (``pip install axolotl==0.19.0`` beside ``torch==2.13.0``, see docs/axolotl.md). About
+20-40 s per run on 2 CPU cores (most of it importing the axolotl stack), nine runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("axolotl")
+yaml = pytest.importorskip("yaml")
+from safetensors.torch import load_file  # noqa: E402
+
+from hf_gradacc.testing.tiny import VOCAB_SIZE  # noqa: E402
+from hf_gradacc.testing.trl_steps import word, word_tokenizer  # noqa: E402
+
+pytestmark = [pytest.mark.axolotl, pytest.mark.slow]
+
+PLUGIN = "hf_gradacc.integrations.axolotl.GradAccPlugin"
+ACTIVE = "hf_gradacc: exact gradient accumulation is active on axolotl's"
+EXACT_RTOL = 1e-5
+STOCK_MIN_ERROR = 1e-3
+ONE_SGD_STEP: dict[str, Any] = {
+    "val_set_size": 0,
+    "num_epochs": 1,
+    "max_steps": 1,
+    "optimizer": "sgd",
+    "learning_rate": 1.0,
+    "lr_scheduler": "constant",
+    "warmup_steps": 0,
+    "weight_decay": 0.0,
+    "max_grad_norm": 0,
+    "bf16": False,
+    "fp16": False,
+    "tf32": False,
+    "save_strategy": "no",
+    "seed": 0,
+    "dataset_num_proc": 1,
+}
+FULL_BATCH = {"micro_batch_size": 8, "gradient_accumulation_steps": 1}
+ACCUMULATED = {"micro_batch_size": 2, "gradient_accumulation_steps": 4}
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+def _tiny_llama(path: Path, *, reward: bool) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        tie_word_embeddings=False, num_labels=1,
+    )  # fmt: skip
+    (LlamaForSequenceClassification if reward else LlamaForCausalLM)(config).save_pretrained(path)
+    word_tokenizer(VOCAB_SIZE).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def causal(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A tiny Llama causal LM and 8 pre-tokenized completion samples (7-14 tokens, 2-5 trained on, then EOS)."""
+    root = tmp_path_factory.mktemp("axolotl_causal")
+    rng = random.Random(0)
+    with open(root / "data.jsonl", "w") as f:
+        for _ in range(8):
+            prompt, completion = rng.randint(1, 12), rng.randint(1, 6)
+            ids = [rng.randint(3, VOCAB_SIZE - 1) for _ in range(prompt + completion)] + [1]
+            row = {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": [-100] * prompt + ids[prompt:]}
+            f.write(json.dumps(row) + "\n")
+    config = {
+        "base_model": str(_tiny_llama(root / "model", reward=False)),
+        "datasets": [{"path": str(root / "data.jsonl"), "ds_type": "json", "type": None}],
+        "dataset_prepared_path": str(root / "prepared"),
+        "sequence_len": 64,
+        "train_on_inputs": False,
+        **ONE_SGD_STEP,
+    }
+    return {"root": root, "config": config, "runs": {}}
+
+
+@pytest.fixture(scope="module")
+def reward(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A tiny Llama with a one-logit score head and 7 chosen / rejected pairs (axolotl's Bradley-Terry format)."""
+    root = tmp_path_factory.mktemp("axolotl_reward")
+    rng = random.Random(1)
+
+    def words(n: int) -> str:
+        return " ".join(word(rng.randint(3, VOCAB_SIZE - 1)) for _ in range(n))
+
+    with open(root / "data.jsonl", "w") as f:
+        for _ in range(7):
+            pair = {"system": "", "input": words(rng.randint(1, 8)), "chosen": words(rng.randint(1, 6))}
+            f.write(json.dumps({**pair, "rejected": words(rng.randint(1, 6))}) + "\n")
+    config = {
+        "base_model": str(_tiny_llama(root / "model", reward=True)),
+        "model_type": "AutoModelForSequenceClassification",
+        "num_labels": 1,
+        "reward_model": True,
+        "chat_template": "chatml",
+        "datasets": [{"path": str(root / "data.jsonl"), "ds_type": "json", "type": "bradley_terry.chat_template"}],
+        "dataset_prepared_path": str(root / "prepared"),
+        "sequence_len": 64,
+        **ONE_SGD_STEP,
+    }
+    return {"root": root, "config": config, "runs": {}}
+
+
+def _train(setup: dict[str, Any], name: str, **overrides: Any) -> tuple[torch.Tensor, str]:
+    """`axolotl train` on the setup's config with ``overrides``, once per name: the update of every parameter
+    (flattened, float64) and the run's output."""
+    if name in setup["runs"]:
+        return setup["runs"][name]
+    root = setup["root"]
+    out = root / name
+    config = {**setup["config"], **overrides, "output_dir": str(out)}
+    (root / f"{name}.yml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "AXOLOTL_DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [sys.executable, "-m", "axolotl.cli.main", "train", str(root / f"{name}.yml"), "--launcher", "python"]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, f"axolotl train ({name}) failed:\n{output[-6000:]}"
+    before = load_file(Path(config["base_model"]) / "model.safetensors")
+    after = load_file(out / "model.safetensors")
+    update = torch.cat([(after[k].double() - before[k].double()).flatten() for k in sorted(before)])
+    setup["runs"][name] = update, output
+    return update, output
+
+
+def _relative(update: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((update - reference).norm() / reference.norm())
+
+
+def _every_parameter_changed(setup: dict[str, Any], name: str) -> None:
+    before = load_file(Path(setup["config"]["base_model"]) / "model.safetensors")
+    after = load_file(setup["root"] / name / "model.safetensors")
+    unchanged = [k for k in before if torch.equal(before[k], after[k])]
+    assert not unchanged, f"parameters not updated: {unchanged}"
+
+
+# ---------------------------------------------------------------------------------------------- real runs
+def test_causal_lm_accumulated_step_equals_the_full_batch_step(causal: dict[str, Any]) -> None:
+    reference, _ = _train(causal, "full_batch", **FULL_BATCH)
+    stock, _ = _train(causal, "stock_ga4", **ACCUMULATED)
+    exact, output = _train(causal, "plugin_ga4", **ACCUMULATED, plugins=[PLUGIN])
+
+    assert _relative(stock, reference) > STOCK_MIN_ERROR  # stock axolotl: the mean of micro-batch means
+    assert _relative(exact, reference) < EXACT_RTOL
+    _every_parameter_changed(causal, "plugin_ga4")
+    assert output.count(ACTIVE) == 1, output[-4000:]
+    assert f"{ACTIVE} AxolotlTrainer (now GradAccAxolotlTrainer)" in output
+
+
+def test_packed_accumulated_step_equals_the_unpacked_full_batch_step(causal: dict[str, Any]) -> None:
+    """Multipack (sdpa: block-diagonal mask from the restarting position_ids), rows of at most 32 tokens, 2 rows per
+    micro-batch, 2 micro-batches: the 8 samples in 4 packed rows equal the 8 samples padded in one micro-batch."""
+    reference, _ = _train(causal, "full_batch", **FULL_BATCH)
+    packed = {"sample_packing": True, "attn_implementation": "sdpa", "sequence_len": 32}
+    exact, output = _train(
+        causal, "plugin_packed", micro_batch_size=2, gradient_accumulation_steps=2, plugins=[PLUGIN], **packed
+    )
+    assert _relative(exact, reference) < EXACT_RTOL
+    assert "packed rows: the label at each sample start is ignored" in output
+
+
+def test_reward_model_accumulated_step_equals_the_full_batch_step(reward: dict[str, Any]) -> None:
+    reference, _ = _train(reward, "full_batch", **FULL_BATCH)
+    stock, _ = _train(reward, "stock_ga4", **ACCUMULATED)
+    exact, output = _train(reward, "plugin_ga4", **ACCUMULATED, plugins=[PLUGIN])
+
+    assert _relative(stock, reference) > STOCK_MIN_ERROR  # TRL's per-micro-batch mean: the 1-pair batch weighs 1/4
+    assert _relative(exact, reference) < EXACT_RTOL
+    _every_parameter_changed(reward, "plugin_ga4")
+    assert f"{ACTIVE} AxolotlRewardTrainer (now GradAccAxolotlRewardTrainer)" in output
+
+
+def test_dpo_accumulated_step_equals_the_full_batch_step(causal: dict[str, Any], tmp_path: Path) -> None:
+    """`rl: dpo` (axolotl's DPO trainer, made hf_gradacc.trl's): 7 prompt / chosen / rejected text pairs."""
+    rng = random.Random(2)
+
+    def words(n: int) -> str:
+        return " ".join(word(rng.randint(3, VOCAB_SIZE - 1)) for _ in range(n))
+
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for _ in range(7):
+            pair = {"prompt": words(rng.randint(1, 8)), "chosen": " " + words(rng.randint(1, 6))}
+            f.write(json.dumps({**pair, "rejected": " " + words(rng.randint(1, 6))}) + "\n")
+    config = {
+        **causal["config"],
+        "rl": "dpo",
+        "datasets": [
+            {"path": str(tmp_path / "pairs.jsonl"), "ds_type": "json", "split": "train", "type": "passthrough"}
+        ],
+        "dataset_prepared_path": str(tmp_path / "prepared"),
+    }
+    config.pop("train_on_inputs")
+    dpo = {"root": tmp_path, "config": config, "runs": {}}
+    reference, _ = _train(dpo, "full_batch", **FULL_BATCH)
+    exact, output = _train(dpo, "plugin_ga4", **ACCUMULATED, plugins=[PLUGIN])
+
+    assert _relative(exact, reference) < EXACT_RTOL  # stock axolotl: 0.29 on these pairs (2026-11-25)
+    assert f"{ACTIVE} AxolotlDPOTrainer (now GradAccAxolotlDPOTrainer)" in output
+
+
+# ---------------------------------------------------------------------------------------------- in process
+@pytest.fixture(scope="module")
+def plugin_module() -> Any:
+    from hf_gradacc.integrations import axolotl as plugin
+
+    return plugin
+
+
+@pytest.mark.parametrize(
+    ("config", "knobs", "message"),
+    [
+        ({"sample_packing": True, "attn_implementation": None, "attn_decontaminates_packing": False}, {},
+         "does not keep packed samples apart"),
+        ({"sample_packing": True, "attn_decontaminates_packing": True, "reward_model": True}, {},
+         "`reward_model: True`"),
+        ({"sample_packing": True, "attn_decontaminates_packing": True, "rl": "dpo"}, {}, "`rl: dpo`"),
+        ({"sample_packing": True, "attn_decontaminates_packing": True}, {"regroup_micro_batches": True},
+         "two planners"),
+        ({"context_parallel_size": 2}, {}, "`context_parallel_size: 2`"),
+    ],
+)  # fmt: skip
+def test_refused_setups_name_the_key(plugin_module: Any, config: dict, knobs: dict, message: str) -> None:
+    from hf_gradacc import GradAccConfigError
+
+    with pytest.raises(GradAccConfigError, match=re.escape(message)):
+        plugin_module.check_axolotl_config(config, knobs)
+
+
+def test_supported_setups_pass(plugin_module: Any) -> None:
+    plugin_module.check_axolotl_config({}, {})
+    plugin_module.check_axolotl_config({"sample_packing": True, "attn_decontaminates_packing": True}, {})
+    plugin_module.check_axolotl_config({"reward_model": True}, {"regroup_micro_batches": True})
+
+
+def test_yaml_knobs_are_validated(plugin_module: Any) -> None:
+    args = plugin_module.GradAccAxolotlArgs(gradacc={"nonfinite_steps": "skip"})
+    assert args.gradacc == {"nonfinite_steps": "skip"}
+    assert plugin_module.GradAccAxolotlArgs().gradacc is None
+    with pytest.raises(ValueError, match="unknown keys \\['regroup'\\]"):
+        plugin_module.GradAccAxolotlArgs(gradacc={"regroup": True})
+    with pytest.raises(ValueError, match="nonfinite_steps"):
+        plugin_module.GradAccAxolotlArgs(gradacc={"nonfinite_steps": "sometimes"})
+
+
+def test_sample_start_labels_are_ignored(plugin_module: Any) -> None:
+    def collator(features: Any) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+            "labels": torch.tensor([[5, 6, 7, 8, 9]]),
+            "position_ids": torch.tensor([[0, 1, 2, 0, 1]]),
+        }
+
+    collator.tokenizer = "tok"  # type: ignore[attr-defined]
+    wrapped = plugin_module.SampleStartMasked(collator)
+    assert wrapped([])["labels"].tolist() == [[-100, 6, 7, -100, 9]]
+    assert wrapped.tokenizer == "tok"
+    unpacked = plugin_module.SampleStartMasked(lambda f: {"labels": torch.tensor([[5, 6]])})
+    assert unpacked([])["labels"].tolist() == [[5, 6]]
