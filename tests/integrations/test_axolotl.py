@@ -13,6 +13,7 @@ Skipped without axolotl (``pip install axolotl==0.19.0`` beside ``torch==2.13.0`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -277,3 +278,38 @@ def test_sample_start_labels_are_ignored(plugin_module: Any) -> None:
     assert wrapped.tokenizer == "tok"
     unpacked = plugin_module.SampleStartMasked(lambda f: {"labels": torch.tensor([[5, 6]])})
     assert unpacked([])["labels"].tolist() == [[5, 6]]
+
+
+def test_axolotl_step_wrappers_become_step_contexts(plugin_module: Any) -> None:
+    """AxolotlTrainer's `training_step` only wraps the stock one in two contexts: the class handed to make_exact has
+    the stock `training_step`, and the contexts are entered around each micro-batch, outermost first."""
+    from axolotl.core.trainers.base import AxolotlTrainer
+    from transformers import Trainer
+
+    unwrapped, contexts = plugin_module._without_step_wrappers(AxolotlTrainer)
+    assert unwrapped.training_step is Trainer.training_step and issubclass(unwrapped, AxolotlTrainer)
+    assert contexts == ["_layer_offload_ctx", "activation_offload_context"]
+
+    entered: list[str] = []
+
+    def recorder(name: str) -> Any:
+        @contextlib.contextmanager
+        def context() -> Any:
+            entered.append(f"enter {name}")
+            yield
+            entered.append(f"exit {name}")
+
+        return context()
+
+    class Base:
+        def training_step_context(self) -> Any:
+            return recorder("inner")
+
+    made = plugin_module._with_step_contexts(Base, tuple(contexts))
+    trainer = made()
+    trainer._layer_offload_ctx, trainer.activation_offload_context = recorder("layer"), recorder("activation")
+    with trainer.training_step_context():
+        entered.append("step")
+    assert entered == [
+        "enter layer", "enter activation", "enter inner", "step", "exit inner", "exit activation", "exit layer",
+    ]  # fmt: skip
