@@ -29,18 +29,20 @@ import sys
 import tempfile
 from typing import Any
 
-# name: (trainer, micro-batch, accumulation steps, start-up check)
-CONFIGS: dict[str, tuple[str, int, int, bool]] = {
-    "stock_4x2": ("Trainer", 4, 2, False),
-    "stock_8x1": ("Trainer", 8, 1, False),
-    "gradacc_4x2": ("GradAccTrainer", 4, 2, True),
-    "gradacc_4x2_nocheck": ("GradAccTrainer", 4, 2, False),
+# name: (trainer, micro-batch, accumulation steps, GradAccArguments)
+CONFIGS: dict[str, tuple[str, int, int, dict[str, Any]]] = {
+    "stock_4x2": ("Trainer", 4, 2, {}),
+    "stock_8x1": ("Trainer", 8, 1, {}),
+    "gradacc_4x2": ("GradAccTrainer", 4, 2, {}),
+    "gradacc_4x2_nocheck": ("GradAccTrainer", 4, 2, {"check_loss_at_start": False}),
+    "gradacc_4x2_fused": ("GradAccTrainer", 4, 2, {"fused_lm_head": True}),
 }
 LABELS = {
     "stock_4x2": "stock `Trainer`, 4 x GA 2",
     "stock_8x1": "stock `Trainer`, 8 x GA 1",
     "gradacc_4x2": "`GradAccTrainer`, 4 x GA 2, defaults",
     "gradacc_4x2_nocheck": "`GradAccTrainer`, 4 x GA 2, `check_loss_at_start=False`",
+    "gradacc_4x2_fused": "`GradAccTrainer`, 4 x GA 2, `fused_lm_head=True`",
 }
 BASELINE, FULL_BATCH = "stock_4x2", "stock_8x1"
 
@@ -66,7 +68,7 @@ def run_one(opts: argparse.Namespace) -> dict[str, Any]:
     from hf_gradacc.testing.tiny import ListDataset, PaddingCollator
 
     torch.set_num_threads(1)
-    trainer_name, batch_size, accumulation, check = CONFIGS[opts.worker]
+    trainer_name, batch_size, accumulation, gradacc_args = CONFIGS[opts.worker]
     torch.manual_seed(opts.seed)
     config = LlamaConfig(
         vocab_size=opts.vocab_size, hidden_size=opts.hidden_size, intermediate_size=2 * opts.hidden_size,
@@ -85,7 +87,7 @@ def run_one(opts: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(model=model, args=args, train_dataset=ListDataset(_samples(opts)),
                                   data_collator=PaddingCollator())  # fmt: skip
     if trainer_name == "GradAccTrainer":
-        trainer: Any = GradAccTrainer(**kwargs, gradacc_args={"check_loss_at_start": check})
+        trainer: Any = GradAccTrainer(**kwargs, gradacc_args=gradacc_args)
     else:
         trainer = Trainer(**kwargs)
     before_train = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

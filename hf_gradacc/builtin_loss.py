@@ -12,9 +12,11 @@ import torch.nn as nn
 from transformers.utils import logging
 
 from .auxiliary import model_aux_terms
-from .errors import GradAccDataError, GradAccLossError
+from .checks import OK, check_builtin
+from .errors import GradAccConfigError, GradAccDataError, GradAccLossError
+from .fused_head import fused_causal_lm_sum, fused_row_check, fused_support_problem
 from .heads import Head, input_token_count, unwrap_model
-from .loss import LossOutput, LossTerm
+from .loss import LossOutput, LossTerm, causal_targets
 from .memory import is_out_of_memory
 from .window import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts
 
@@ -45,12 +47,22 @@ def logits_of(outputs: Any) -> torch.Tensor:
 
 
 def builtin_loss(
-    head: Head, model: nn.Module, inputs: Mapping[str, Any], *, denominator: str, with_model_loss: bool = False
+    head: Head,
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    *,
+    denominator: str,
+    with_model_loss: bool = False,
+    fused_lm_head: bool | None = None,
 ) -> tuple[dict[str, LossTerm], Any]:
     """``({"main": LossTerm(head's sum, denominator), "aux": ..., ...}, outputs)`` for one micro-batch.
 
     ``with_model_loss``: the labels are ALSO given to the model, so that ``outputs.loss`` is the model's own loss of
     this micro-batch (the start-up consistency check), computed from the same logits.
+
+    ``fused_lm_head=True``: the head runs only on the positions whose target counts, in tiles
+    (:mod:`hf_gradacc.fused_head`); ``outputs.logits`` is then a placeholder. The start-up check compares the
+    model's own loss with the fused one on one row and raises at once. None (the default) is off for now.
     """
     inputs = dict(inputs)
     labels = inputs.pop(LABEL_KEY, None)
@@ -66,6 +78,8 @@ def builtin_loss(
             inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
         else:
             inputs[LABEL_KEY] = labels  # the model builds its decoder inputs (and a loss that is not used)
+    if fused_lm_head:
+        return _fused_loss(head, model, inputs, labels, shift_labels, denominator=denominator, check=with_model_loss)
     outputs = None
     if with_model_loss and labels is not None:
         try:  # the model's own loss from the same forward; a model that cannot compute one is simply not checked
@@ -84,6 +98,32 @@ def builtin_loss(
     terms = {MAIN_TERM: LossTerm(total=head.sum_loss(logits_of(outputs), labels, shift_labels), normalize_by=denominator)}
     terms.update(model_aux_terms(model, outputs, input_token_count(inputs)))
     return terms, outputs
+
+
+def _fused_loss(
+    head: Head,
+    model: nn.Module,
+    inputs: dict[str, Any],
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    *,
+    denominator: str,
+    check: bool,
+) -> tuple[dict[str, LossTerm], Any]:
+    problem = fused_support_problem(model, head.type)
+    if problem is not None:
+        raise GradAccConfigError(f"`fused_lm_head=True` cannot run here: {problem}. Set `fused_lm_head=False`.")
+    ignore = head.ignore_index
+    targets = (shift_labels if shift_labels is not None else causal_targets(labels.long(), ignore)).long()
+    result = fused_causal_lm_sum(model, inputs, targets, ignore_index=ignore)
+    if check:  # one process only for now (fused_support_problem): the verdict needs no agreement across ranks
+        pair = fused_row_check(model, inputs, targets, labels=labels, shift_labels=shift_labels, ignore_index=ignore)
+        verdict = check_builtin(pair[0], torch.tensor(pair[1])) if pair is not None else None
+        if verdict is not None and verdict.code != OK:
+            raise GradAccLossError(f"{verdict.message(0)} (fused_lm_head: compared on the first row with a target)")
+    terms = {MAIN_TERM: LossTerm(total=result.sum_loss, normalize_by=denominator)}
+    terms.update(model_aux_terms(model, result.backbone, input_token_count(inputs)))
+    return terms, result.backbone
 
 
 @contextlib.contextmanager

@@ -137,6 +137,14 @@ class GradAccArguments:
             "dropped or a loss normalised twice."
         },
     )
+    fused_lm_head: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Causal LMs: apply the LM head only to the positions whose target counts, in tiles, never "
+            "materialising [tokens x vocabulary] logits (exact SUM and gradient). True: on (an unsupported model or "
+            "setup raises); None (default) and False: off. One process only for now; see docs/memory.md."
+        },
+    )
     regroup_micro_batches: bool = field(
         default=False,
         metadata={
@@ -283,6 +291,7 @@ class GradAccSettings:
     fsdp_sync: FsdpSync = "deferred"
     nonfinite_steps: NonFiniteSteps = "skip"
     check_loss_at_start: bool = True
+    fused_lm_head: bool | None = None
     regroup_micro_batches: bool = False
     max_tokens_per_micro_batch: int | None = None
     pack_micro_batches: bool = False
@@ -350,6 +359,8 @@ def resolve_settings(args: TrainingArguments | GradAccArguments, overrides: Any 
     ):
         if getattr(settings, name) not in choices:
             raise GradAccConfigError(f"`{name}` ({getattr(settings, name)!r}) must be one of {choices}")
+    if settings.fused_lm_head is not None:
+        _check_bool("fused_lm_head", settings.fused_lm_head)
     budget = settings.max_tokens_per_micro_batch
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
         raise GradAccConfigError(f"`max_tokens_per_micro_batch` ({budget!r}) must be None or an int >= 1")

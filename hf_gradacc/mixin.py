@@ -442,7 +442,8 @@ class GradAccMixin:
                     "`outputs.loss`, which hf_gradacc splits exactly."
                 )
         seen.clear()  # the outputs are not kept through the backward pass
-        del inputs
+        del inputs, raw
+        parsed = replace(parsed, outputs=None)  # nor the start-up check's: its logits, [tokens x vocabulary]
         parts = window.normalized_terms(parsed, primary=self.primary_denominator, warn_on_plain_loss=self.gradacc.warn_on_plain_loss)
         window.add_term_totals(parts)
         is_last = window.is_last
@@ -483,8 +484,9 @@ class GradAccMixin:
         training = window is not None and window.index is not None
         check = training and self._loss_check_due and self._loss_check is None and window.index == 0
         terms, outputs = builtin_loss(
-            self.head, model, inputs, denominator=self.primary_denominator, with_model_loss=check
-        )
+            self.head, model, inputs, denominator=self.primary_denominator, with_model_loss=check,
+            fused_lm_head=training and self.gradacc.fused_lm_head,  # evaluation keeps the logits metrics need
+        )  # fmt: skip
         result: Any = terms if len(terms) > 1 else terms[MAIN_TERM]  # a LossTerm, as in 0.1, unless router terms
         if not training:  # evaluation / prediction: the batch mean
             result = batch_mean_loss(terms, self.head.count(inputs), self.primary_denominator)

@@ -6,6 +6,7 @@ Example:
     ```bash
     hf-gradacc bench                                   # CPU defaults: tiny causal LM, bs 8 x GA 8
     hf-gradacc bench --steps 4 --datasets long_tailed --json bench.json
+    hf-gradacc bench --datasets completion_only --vocab-sizes 96,qwen     # where the LM head's memory goes
     ```
 """
 
@@ -23,7 +24,9 @@ from typing import Any
 import torch
 
 from ..testing.benchmark import (
+    ALL_TRAINERS,
     DATASETS,
+    QWEN_VOCAB_SIZE,
     TRAINERS,
     BenchSettings,
     environment,
@@ -46,9 +49,9 @@ def _csv(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
-        values = tuple(int(v) for v in text.split(",") if v)
+        values = tuple(QWEN_VOCAB_SIZE if v == "qwen" else int(v) for v in text.split(",") if v)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (or 'qwen'), got {text!r}") from None
     if not values or min(values) < 4:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 4, got {text!r}")
     return values
@@ -83,7 +86,8 @@ def bench_command_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
     p.add_argument(
         "--vocab-sizes", type=_ints, default=None,
-        help="comma-separated vocabulary sizes: one model each, measured one after the other (e.g. 96,32000)",
+        help="comma-separated vocabulary sizes: one model each, measured one after the other (e.g. 96,32000,qwen; "
+        f"'qwen' is {QWEN_VOCAB_SIZE:,}, the Qwen models' vocabulary, where the LM head dominates memory)",
     )
     p.add_argument("--max-length", type=int, default=d.max_length, help="longest long-tailed sample")
     p.add_argument("--median-length", type=int, default=d.median_length)
@@ -96,7 +100,8 @@ def bench_command_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
     p.add_argument("--threads", type=int, default=d.num_threads, help="torch CPU threads (CPU runs)")
     p.add_argument("--datasets", type=_csv(DATASETS), default=d.datasets, help=",".join(DATASETS))
-    p.add_argument("--trainers", type=_csv(TRAINERS), default=d.trainers, help=",".join(TRAINERS))
+    p.add_argument("--trainers", type=_csv(ALL_TRAINERS), default=d.trainers,
+                   help=",".join(ALL_TRAINERS) + f" (default: {','.join(TRAINERS)})")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", default=None, help="also write the rows and the environment to this file")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the step-time and memory distributions")

@@ -12,8 +12,12 @@ Columns:
 * step time ratio: median over timed steps of (trainer's step time / stock step time), pair by pair;
 * total time ratio: sum of timed step times / the stock sum;
 * computed / real tokens: token positions the model computed (``input_ids`` size: padding included) per real token;
-* peak memory ratio: the largest increase of memory within one step (CPU: resident set size high-water mark, reset
-  before each step; CUDA: ``max_memory_allocated``), over the stock one;
+* peak memory: the largest increase of memory within one step, EVERY step included (the first one, with its
+  start-up loss check and the optimizer state it allocates, too): CPU, the resident set size high-water mark, reset
+  before each step; CUDA, ``max_memory_allocated``; and its ratio over the stock one;
+* LM-head rows per counted target: rows the model's output layer computed (its input's rows, counted by a forward
+  hook) per target that counts in the loss (labels that are not -100, after the causal shift); 1.00 is the limit,
+  where the head runs only where a target counts;
 * reductions / step: DDP gradient reductions (comm-hook calls) per optimizer step; ``n/a`` on one process;
 * update diff: relative L2 difference of the final parameters' change from the plain GradAccTrainer's.
 
@@ -50,7 +54,10 @@ from ..errors import GradAccConfigError, GradAccUsageError  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-DATASETS: tuple[str, ...] = ("equal", "long_tailed")
+# equal lengths; long-tailed lengths with a random prompt prefix of up to 30 % ignored; long-tailed lengths with the
+# first half of every sample ignored (completion-only fine-tuning: the prompt carries no target).
+DATASETS: tuple[str, ...] = ("equal", "long_tailed", "completion_only")
+QWEN_VOCAB_SIZE = 151_936  # the vocabulary of the Qwen2 / Qwen2.5 / Qwen3 models: where the LM head dominates memory
 TRAINERS: tuple[str, ...] = (
     "stock", "stock_group_by_length", "stock_batch_rebalance", "stock_flatten", "plain", "regroup", "budget", "pack",
 )  # fmt: skip
@@ -63,7 +70,10 @@ _TRAINER_LABELS = {
     "regroup": "GradAccTrainer + regroup",
     "budget": "GradAccTrainer + token budget",
     "pack": "GradAccTrainer + packed",
+    "fused": "GradAccTrainer + fused LM head",
 }
+# Every trainer a run can name; ``fused`` (``fused_lm_head=True``) is not in the default set yet.
+ALL_TRAINERS: tuple[str, ...] = (*TRAINERS, "fused")
 # The stock samplers of transformers 5.23 (`train_sampling_strategy`) each stock variant uses.
 _STOCK_SAMPLING = {"stock_group_by_length": "group_by_length", "stock_batch_rebalance": "batch_rebalance"}
 _TURN_TIMEOUT_S = 1800.0  # a step that takes longer than this is a hang, not a measurement
@@ -74,7 +84,8 @@ class BenchSettings:
     """What to measure. The defaults are the CPU scale of the issue: tiny causal LM, bs 8 x GA 8.
 
     Lengths: ``equal`` samples all have ``equal_length`` tokens; ``long_tailed`` ones are log-normal with median
-    ``median_length`` and shape ``sigma``, clipped to ``[min_length, max_length]``.
+    ``median_length`` and shape ``sigma``, clipped to ``[min_length, max_length]``; ``completion_only`` ones have
+    the long-tailed lengths with the first half of every sample labelled -100.
     """
 
     device: str = "cpu"
@@ -118,13 +129,16 @@ class BenchRow:
     micro_batches_per_step: float
     relative_update_difference: float | None
     real_tokens_per_s: float = float("nan")
+    first_step_peak_memory_bytes: int = 0
+    lm_head_rows_per_target: float = float("nan")
     step_times_s: tuple[float, ...] = field(default=())
     step_peaks_bytes: tuple[int, ...] = field(default=())
 
 
 # ---------------------------------------------------------------------------------------------- data and model
 def make_bench_samples(settings: BenchSettings, dataset: str, num_samples: int) -> list[dict[str, Any]]:
-    """Causal-LM samples with ``equal`` or ``long_tailed`` lengths; a random prompt prefix of each row is ignored."""
+    """Causal-LM samples with ``equal`` or long-tailed lengths; a random prompt prefix of each row is ignored (up to
+    30 %), or its first half (``completion_only``)."""
     if dataset not in DATASETS:
         raise GradAccConfigError(f"`dataset` ({dataset!r}) must be one of {DATASETS}")
     g = torch.Generator().manual_seed(settings.seed + (0 if dataset == "equal" else 1))
@@ -138,6 +152,8 @@ def make_bench_samples(settings: BenchSettings, dataset: str, num_samples: int) 
             length = min(settings.max_length, max(settings.min_length, length))
         ids = torch.randint(2, settings.vocab_size, (length,), generator=g).tolist()
         prompt = int(length * 0.3 * float(torch.rand((), generator=g)))
+        if dataset == "completion_only":
+            prompt = length // 2
         samples.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
     return samples
 
@@ -214,11 +230,14 @@ class _MemoryProbe:
 # ---------------------------------------------------------------------------------------------- turns
 class _Counting:
     """Put in front of a Trainer class: counts, from the batches each step fetches, the token positions the model
-    computes (``input_ids`` size) and the real tokens (the attention mask's ones; every position of a padding-free
-    row), and the micro-batches."""
+    computes (``input_ids`` size), the real tokens (the attention mask's ones; every position of a padding-free
+    row), the targets that count (labels other than -100 after the causal shift) and the micro-batches;
+    :func:`_count_head_rows` adds the rows the LM head computed."""
 
     computed = 0
     real = 0
+    targets = 0
+    head_rows = 0
     micro_batches = 0
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -228,8 +247,23 @@ class _Counting:
             mask = batch.get("attention_mask")
             self.computed += computed
             self.real += int(mask.sum()) if mask is not None else computed
+            shifted = batch.get("shift_labels")
+            shifted = shifted if shifted is not None else batch["labels"][..., 1:]
+            self.targets += int((shifted != -100).sum())
             self.micro_batches += 1
         return batches, num_items
+
+
+def _count_head_rows(trainer: Any) -> None:
+    """Count the rows the model's output layer computes (a forward hook on ``get_output_embeddings()``)."""
+
+    def count(_module: Any, args: tuple, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a backward pass recomputing a checkpointed forward: those rows were counted once already
+        rows = getattr(output, "fused_rows", None)  # fused_lm_head: the rows its tiles projected
+        trainer.head_rows += int(rows) if rows is not None else int(args[0].shape[:-1].numel())
+
+    trainer.model.get_output_embeddings().register_forward_hook(count)
 
 
 def _turn_callback(name: str, probe: _MemoryProbe, world_size: int):
@@ -358,6 +392,8 @@ def _trainer_args(settings: BenchSettings, name: str, output_dir: str, world_siz
         kwargs["max_tokens_per_micro_batch"] = settings.max_tokens_per_micro_batch
     elif name == "pack":
         kwargs.update(pack_micro_batches=True, max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch)
+    elif name == "fused":
+        kwargs["fused_lm_head"] = True
     return GradAccConfig(**kwargs)
 
 
@@ -373,9 +409,9 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
     from ..trainer import GradAccTrainer
     from .tiny import ListDataset, PaddingCollator
 
-    unknown = sorted(set(settings.trainers) - set(TRAINERS))
+    unknown = sorted(set(settings.trainers) - set(ALL_TRAINERS))
     if unknown or "stock" not in settings.trainers:
-        raise GradAccConfigError(f"`trainers` ({settings.trainers}) must include 'stock' and come from {TRAINERS}")
+        raise GradAccConfigError(f"`trainers` ({settings.trainers}) must include 'stock' and come from {ALL_TRAINERS}")
     missing = [n for n, strategy in _STOCK_SAMPLING.items() if n in settings.trainers and not has_sampling_strategy(strategy)]
     if missing:  # an unknown strategy would silently run in random order under that row's name
         logger.warning(
@@ -414,17 +450,18 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
                 callbacks=[turns[name]],
             )
             trainers[name].remove_callback(PrinterCallback)  # disable_tqdm prints every log line otherwise
+            _count_head_rows(trainers[name])
             turns[name].trainer = trainers[name]
         _run_in_turns(trainers, turns, settings.num_warmup_steps + settings.num_steps)
 
     finals = {n: _flat_params(t.accelerator.unwrap_model(t.model)) for n, t in trainers.items()}
     skip = settings.num_warmup_steps
     stock_times = turns["stock"].step_times[skip:]
-    stock_peak = max(turns["stock"].step_peaks[skip:] or [0])
+    stock_peak = max(turns["stock"].step_peaks or [0])  # every step: the first one is no less real
     rows = []
     for name in settings.trainers:
         times = turns[name].step_times[skip:]
-        peak = max(turns[name].step_peaks[skip:] or [0])
+        peak = max(turns[name].step_peaks or [0])
         ratios = [t / s for t, s in zip(times, stock_times)]
         diff = None
         if "plain" in finals:
@@ -449,6 +486,8 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
                 real_tokens_per_s=sum(turns[name].step_real_tokens[skip:]) / sum(times) if sum(times) else float("nan"),
                 step_times_s=tuple(times),
                 step_peaks_bytes=tuple(turns[name].step_peaks[skip:]),
+                first_step_peak_memory_bytes=(turns[name].step_peaks or [0])[0],
+                lm_head_rows_per_target=counter.head_rows / counter.targets if counter.targets else float("nan"),
             )
         )
     return rows
@@ -478,18 +517,18 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     """
     header = (
         "| data | vocab | trainer | step time (median) | step time ratio vs stock (median of pairs) | total time ratio | "
-        "real tokens / s | computed / real tokens | peak memory ratio | micro-batches / step | reductions / step | "
-        "update diff vs GradAccTrainer |"
+        "real tokens / s | computed / real tokens | LM-head rows per counted target | peak memory (first step "
+        "included) | peak memory ratio | micro-batches / step | reductions / step | update diff vs GradAccTrainer |"
     )
-    lines = [header, "|" + " --- |" * 12]
+    lines = [header, "|" + " --- |" * 14]
     for r in rows:
         reductions = "n/a (1 process)" if r.reductions_per_step is None else f"{r.reductions_per_step:.2f}"
         diff = "-" if r.relative_update_difference is None else f"{r.relative_update_difference:.1e}"
         lines.append(
             f"| {r.dataset} | {r.vocab_size} | {_TRAINER_LABELS[r.trainer]} | {r.median_step_time_s * 1e3:.0f} ms | "
             f"{r.step_time_ratio:.3f} | {r.total_time_ratio:.3f} | {r.real_tokens_per_s:,.0f} | "
-            f"{r.computed_per_real_token:.3f} | "
-            f"{r.peak_memory_ratio:.3f} | {r.micro_batches_per_step:.1f} | {reductions} | {diff} |"
+            f"{r.computed_per_real_token:.3f} | {r.lm_head_rows_per_target:.2f} | "
+            f"{r.peak_memory_bytes / 2**20:,.1f} MiB | {r.peak_memory_ratio:.3f} | {r.micro_batches_per_step:.1f} | {reductions} | {diff} |"
         )
     return "\n".join(lines)
 

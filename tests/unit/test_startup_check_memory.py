@@ -109,3 +109,27 @@ def test_the_model_loss_function_is_restored() -> None:
         assert torch.allclose(loss, original(logits, labels, VOCAB_SIZE))
     assert "_loss_function" not in model.__dict__ and model.loss_function is original
 
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_no_logits_are_alive_during_the_backward_pass(check: bool) -> None:
+    """The stock Trainer frees the logits after the forward (its cross-entropy saves the log-probabilities only); the
+    start-up check's outputs must not keep them through the first micro-batch's backward pass either."""
+    model = build_tiny_model("causal_lm", hidden_size=HIDDEN)
+    samples = make_samples("causal_lm", 4, seed=1, min_length=MIN_LENGTH, max_length=MIN_LENGTH + 8)
+    args = one_step_args(
+        per_device_train_batch_size=2, gradient_accumulation_steps=2, args_class=GradAccConfig,
+        check_loss_at_start=check,
+    )  # fmt: skip
+    logits: list[weakref.ref] = []
+    alive_in_backward: list[bool] = []
+
+    class Probe(GradAccTrainer):
+        def create_optimizer(self, *args, **kwargs):
+            head = self.model.get_output_embeddings()
+            head.register_forward_hook(lambda _m, _a, out: logits.append(weakref.ref(out)))
+            head.weight.register_hook(lambda grad: alive_in_backward.append(logits[-1]() is not None))
+            return super().create_optimizer(*args, **kwargs)
+
+    one_step_update(Probe, model, samples, args)
+    assert alive_in_backward == [False, False]

@@ -1,0 +1,250 @@
+"""The LM head applied only where a target counts, in tiles: the causal LM's SUM-reduced cross-entropy without ever
+materialising [tokens x vocabulary] logits (``GradAccArguments.fused_lm_head``).
+
+The model's backbone runs as usual (through its wrappers, so DDP's sync decisions and hooks are kept), its last
+hidden states are taken at the positions whose target counts (labels other than ``ignore_index`` after the causal
+shift), and those rows go through the model's own output layer ``tile_rows`` at a time. Each tile's loss is a
+checkpoint: its logits are freed at once and recomputed in the backward pass, so the head holds at most one tile of
+logits, forward or backward. The output layer is called as a module, so tied embeddings, a bias and PEFT adapters on
+the head work as in the model's forward. The transforms transformers' causal LMs apply to their logits before the
+loss are applied per tile, in the model's dtype, before the float32 upcast (as the models and ``ForCausalLMLoss``
+do): ``logit_scale`` (Cohere), ``logits_scaling`` (Granite divides by it) and ``final_logit_softcapping`` (Gemma 2
+and 3). The start-up loss check compares the result with the model's own loss on one row, so a transform not listed
+here stops training at the first micro-batch instead of training a different loss.
+
+Why not ``torch.nn.functional.linear_cross_entropy`` (torch 2.13, chunked when given ``LinearCrossEntropyOptions``):
+it takes a weight, not a module, so softcapping (a non-linear transform between the matmul and the loss) and PEFT
+adapters on the head cannot go through it. Measured on this CPU (``benchmarks/fused_head.py``, docs/benchmarks.md),
+it is not faster than the tiles here at the vocabulary sizes that matter; see that page for the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .errors import GradAccLossError
+from .loss import IGNORE_INDEX
+
+# Elements of one tile's logits: 2**24 float32 values are 64 MiB (110 rows at a 151,936-token vocabulary).
+TILE_ELEMENTS = 2**24
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogitTransform:
+    """What a causal LM does to its head's output before the loss: ``logits * scale``, then, with ``softcap``,
+    ``softcap * tanh(logits / softcap)``."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> LogitTransform:
+        """The transform of ``model`` (an unwrapped transformers causal LM), read where its forward reads it."""
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        scale = getattr(model, "logit_scale", None)  # Cohere sets it from the config at __init__
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            scale = getattr(text, "logit_scale", None)
+        if scale is None and getattr(text, "logits_scaling", None):
+            scale = 1.0 / float(text.logits_scaling)  # Granite: logits / logits_scaling
+        softcap = getattr(text, "final_logit_softcapping", None)
+        return cls(scale=1.0 if scale is None else float(scale), softcap=float(softcap) if softcap else None)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def tile_rows_for(vocab_size: int, tile_elements: int = TILE_ELEMENTS) -> int:
+    """Rows per tile so that one tile's logits hold about ``tile_elements`` values (at least 1 row)."""
+    return max(1, tile_elements // max(int(vocab_size), 1))
+
+
+def _tile_loss(
+    hidden: torch.Tensor, targets: torch.Tensor, head: Callable, transform: LogitTransform, ignore_index: int
+) -> torch.Tensor:
+    logits = transform(head(hidden)).float()
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+
+
+def fused_cross_entropy_sum(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    *,
+    transform: LogitTransform | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    tile_rows: int | None = None,
+) -> torch.Tensor:
+    """SUM over the rows of ``hidden`` (``[rows, hidden]``) of the cross-entropy of ``transform(head(row))`` against
+    ``targets`` (``[rows]``), a tile of rows at a time; the logits of a tile are recomputed in the backward pass.
+
+    Pass only the rows whose target counts: the cost is proportional to the rows given. With no row the result is an
+    exact zero that still depends on the head's parameters and ``hidden`` (every parameter gets a gradient).
+
+    Example:
+        ```python
+        mask = targets != -100
+        total = fused_cross_entropy_sum(last_hidden[mask], model.lm_head, targets[mask])
+        ```
+    """
+    transform = transform or LogitTransform()
+    weight = getattr(getattr(head, "__self__", head), "weight", None)  # a module, or a module's bound forward
+    vocab = int(weight.shape[0]) if torch.is_tensor(weight) and weight.dim() == 2 else 32768
+    step = tile_rows or tile_rows_for(vocab)
+    targets = targets.to(hidden.device)
+    rows = hidden.shape[0]
+    total: torch.Tensor | None = None
+    for start in range(0, max(rows, 1), step):  # at least one (possibly empty) tile: the graph reaches the head
+        part = _checkpointed(hidden[start : start + step], targets[start : start + step], head, transform, ignore_index)
+        total = part if total is None else total + part
+    assert total is not None
+    return total
+
+
+def _checkpointed(hidden: torch.Tensor, targets: torch.Tensor, head: Callable, transform: Any, ignore: int) -> Any:
+    if not torch.is_grad_enabled():
+        return _tile_loss(hidden, targets, head, transform, ignore)
+    return checkpoint(_tile_loss, hidden, targets, head, transform, ignore, use_reentrant=False)
+
+
+# ---------------------------------------------------------------------------------------------- the causal LM
+FUSED_HEADS: tuple[str, ...] = ("causal_lm",)
+
+
+@dataclass(frozen=True, slots=True)
+class FusedOutput:
+    """The fused head's result: its loss SUM over the counted targets, and the model's outputs (their ``logits`` a
+    ``[batch, positions, 1]`` placeholder; the rest, such as router logits, as the model returned them)."""
+
+    sum_loss: torch.Tensor
+    backbone: Any = None
+
+
+def fused_support_problem(model: nn.Module, head_type: str | None) -> str | None:
+    """Why ``fused_lm_head`` cannot run on ``model`` (wrapped or not), or None when it can."""
+    from .heads import unwrap_model
+
+    base = unwrap_model(model)
+    if head_type not in FUSED_HEADS:
+        return f"the head is {head_type!r}; the fused LM head supports {FUSED_HEADS} for now"
+    get = getattr(base, "get_output_embeddings", None)
+    output = get() if callable(get) else None
+    if not isinstance(output, nn.Module):
+        return f"{type(base).__name__} has no output layer (`get_output_embeddings()` is {output!r})"
+    config = getattr(base, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "output_router_logits", False):
+        return "the model returns router logits (a mixture of experts): its router terms are not fused yet"
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        return "more than one process: DDP, DeepSpeed and FSDP2 are not tested with the fused LM head yet"
+    return None
+
+
+def _rows_of(inputs: dict[str, Any], row: int, batch_size: int) -> dict[str, Any]:
+    return {
+        k: v[row : row + 1] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == batch_size else v
+        for k, v in inputs.items()
+    }
+
+
+class _Capture:
+    """Stands in for the output layer's ``forward`` while one model call runs (an instance attribute of the head
+    module, so the model's own forward, and whatever wraps it — accelerate's autocast, DDP — runs unchanged): it
+    computes the tiles' loss sum from the hidden states it is given and returns a ``[batch, positions, 1]`` zero
+    placeholder instead of the logits (the model's transforms of its logits then cost nothing; no labels are given,
+    so the model computes no loss of its own)."""
+
+    def __init__(self, head: nn.Module, forward: Any, targets: torch.Tensor, transform: LogitTransform, ignore: int):
+        self.head, self.forward, self.targets, self.transform, self.ignore = head, forward, targets, transform, ignore
+        self.sum_loss: torch.Tensor | None = None
+        self.rows = 0
+
+    def __call__(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.sum_loss is not None or hidden.shape[:-1] != self.targets.shape:
+            raise GradAccLossError(
+                f"fused_lm_head: the output layer was called with hidden states of shape {tuple(hidden.shape)} for "
+                f"targets of shape {tuple(self.targets.shape)} (or twice in one forward); this model's head is not "
+                "one projection of every position. Set `fused_lm_head=False`."
+            )
+        targets = self.targets.to(hidden.device)
+        counted = targets != self.ignore
+        self.rows = int(counted.sum())
+        self.sum_loss = fused_cross_entropy_sum(
+            hidden[counted], self.forward, targets[counted], transform=self.transform, ignore_index=self.ignore
+        )
+        placeholder = hidden.new_zeros((*hidden.shape[:-1], 1))
+        placeholder.fused_rows = self.rows  # what the LM head projected (hf-gradacc bench counts it)
+        return placeholder
+
+
+def fused_causal_lm_sum(
+    model: nn.Module, inputs: dict[str, Any], targets: torch.Tensor, *, ignore_index: int = IGNORE_INDEX
+) -> FusedOutput:
+    """One forward of ``model`` (wrapped or not; no labels in ``inputs``) with the fused head: the SUM of the
+    cross-entropy over the causal ``targets`` (already shifted: position ``i`` predicts ``targets[i]``) that are not
+    ``ignore_index``."""
+    from .heads import unwrap_model
+
+    base = unwrap_model(model)
+    head = base.get_output_embeddings()
+    missing = object()
+    before = head.__dict__.get("forward", missing)
+    capture = _Capture(head, head.forward, targets, LogitTransform.of(base), ignore_index)
+    head.forward = capture  # type: ignore[method-assign]
+    try:
+        outputs = model(**inputs)
+    finally:
+        if before is missing:
+            del head.forward
+        else:
+            head.forward = before  # type: ignore[method-assign]
+    if capture.sum_loss is None:
+        raise GradAccLossError(
+            f"fused_lm_head: {type(base).__name__}'s forward never called its output layer; set `fused_lm_head=False`."
+        )
+    return FusedOutput(sum_loss=capture.sum_loss, backbone=outputs)
+
+
+def fused_row_check(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    targets: torch.Tensor,
+    *,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    ignore_index: int,
+) -> tuple[float, float] | None:
+    """The start-up check of the fused head on ONE row (the first with a counted target), without gradient: the
+    model's own loss of that row (its forward with the labels: the full logits of one row, no graph) and the fused
+    reconstruction of the same row (its sum over its count). None when no row has a counted target or the model
+    computes no loss."""
+    from .heads import unwrap_model
+
+    counts = (targets != ignore_index).sum(dim=-1)
+    rows = torch.nonzero(counts > 0).flatten()
+    if rows.numel() == 0:
+        return None
+    row, batch_size = int(rows[0]), int(targets.shape[0])
+    one = _rows_of(inputs, row, batch_size)
+    given = {"labels": labels[row : row + 1].long()} if labels is not None else {}
+    if shift_labels is not None:
+        given["shift_labels"] = shift_labels[row : row + 1].long()
+    base = unwrap_model(model)
+    with torch.no_grad():
+        own = base(**one, **given)
+        loss = own.get("loss") if hasattr(own, "get") else None
+        if not torch.is_tensor(loss):
+            return None
+        ours = fused_causal_lm_sum(base, one, targets[row : row + 1], ignore_index=ignore_index).sum_loss
+    return float(ours) / int(counts[row]), float(loss.float())

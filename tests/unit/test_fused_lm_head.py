@@ -1,0 +1,161 @@
+"""`fused_lm_head=True`: the causal LM's head only where a target counts, in tiles, no [tokens x vocabulary] logits.
+
+Exact against the float64 full-batch reference (mixed lengths, many ignored labels, GA 4) for Llama, Llama with tied
+embeddings, Llama with LoRA adapters on the head (PEFT), Gemma 2 (final-logit softcapping) and Cohere (logit scale); a 1 % denominator error is outside the
+tolerance; the start-up check stops a model whose logit transform the fused head does not apply; no logit-sized
+tensor is saved for backward; the head projects exactly the counted targets; evaluation keeps the full logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+import hf_gradacc.fused_head as fused_head
+from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccLossError, GradAccTrainer
+from hf_gradacc.fused_head import LogitTransform, fused_cross_entropy_sum
+from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
+from hf_gradacc.testing.tiny import VOCAB_SIZE, PaddingCollator, build_tiny_model, build_tiny_moe, make_samples
+
+TOLERANCE = 1e-5  # float32 update against the float64 reference; a 1 % denominator error is 1e-2
+
+
+def _small(config_class, **extra):
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)  # fmt: skip
+    return config_class(**{**common, **extra})
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "llama":
+        return build_tiny_model("causal_lm")
+    if name == "llama_tied":
+        return tf.LlamaForCausalLM(_small(tf.LlamaConfig, tie_word_embeddings=True))
+    if name == "gemma2_softcap":  # logits up to ~7 and a cap of 2: the softcapping changes the loss a lot
+        config = _small(tf.Gemma2Config, head_dim=8, final_logit_softcapping=2.0, attn_logit_softcapping=None,
+                        query_pre_attn_scalar=8, sliding_window=256)  # fmt: skip
+        config._attn_implementation = "eager"
+        model = tf.Gemma2ForCausalLM(config)
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(20.0)  # tied: the embeddings too
+        return model
+    if name == "llama_lora_on_head":  # PEFT: LoRA on the attention and on the LM head itself
+        import peft
+
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+        return peft.get_peft_model(build_tiny_model("causal_lm"), config)
+    if name == "cohere_scale":
+        return tf.CohereForCausalLM(_small(tf.CohereConfig, logit_scale=0.25, tie_word_embeddings=True))
+    raise ValueError(name)
+
+
+def _args(fused, **extra):
+    return one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=4, args_class=GradAccConfig,
+                         fused_lm_head=fused, **extra)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "llama_lora_on_head", "gemma2_softcap", "cohere_scale"])
+def test_fused_head_is_exact(name: str) -> None:
+    model = _model(name)
+    samples = make_samples("causal_lm", 8, seed=3)
+    update, _ = one_step_update(GradAccTrainer, model, samples, _args(True))
+    comparison = compare_with_reference(update, model, samples, "causal_lm")
+    assert comparison.relative_error <= TOLERANCE, comparison
+    changed = [n for n, u in update.items() if float(u.abs().max()) > 0]
+    assert len(changed) == len(update), sorted(set(update) - set(changed))
+
+
+def test_a_one_percent_denominator_error_fails_the_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exactness test can fail: the same fused run with every loss divided by 1.01 (a denominator 1 % too
+    large) is far outside the tolerance."""
+    original = fused_head.fused_cross_entropy_sum
+    monkeypatch.setattr(fused_head, "fused_cross_entropy_sum", lambda *a, **k: original(*a, **k) / 1.01)
+    model = _model("llama")
+    samples = make_samples("causal_lm", 8, seed=3)
+    update, _ = one_step_update(GradAccTrainer, model, samples, _args(True, check_loss_at_start=False))
+    assert compare_with_reference(update, model, samples, "causal_lm").relative_error > 5e-3
+
+
+def test_the_start_up_check_stops_a_transform_the_fused_head_misses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_head.LogitTransform, "of", classmethod(lambda cls, model: cls()))  # softcap forgotten
+    model = _model("gemma2_softcap")
+    samples = make_samples("causal_lm", 8, seed=3)
+    with pytest.raises(GradAccLossError, match=r"differs from the model's own loss.*fused_lm_head"):
+        one_step_update(GradAccTrainer, model, samples, _args(True))
+
+
+def test_the_transform_is_read_from_the_model() -> None:
+    assert LogitTransform.of(_model("gemma2_softcap")) == LogitTransform(scale=1.0, softcap=2.0)
+    assert LogitTransform.of(_model("cohere_scale")) == LogitTransform(scale=0.25, softcap=None)
+    assert LogitTransform.of(_model("llama")) == LogitTransform()
+
+
+def test_tiles_equal_the_full_logits_and_an_empty_tile_reaches_the_head() -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50)
+    hidden = torch.randn(23, 8, requires_grad=True)
+    targets = torch.randint(0, 50, (23,))
+    transform = LogitTransform(scale=0.7, softcap=2.0)
+    tiled = fused_cross_entropy_sum(hidden, head, targets, transform=transform, tile_rows=5)
+    tiled.backward()
+    tiled_grads = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    hidden.grad, head.weight.grad, head.bias.grad = None, None, None
+    full = torch.nn.functional.cross_entropy(transform(head(hidden)), targets, reduction="sum")
+    full.backward()
+    torch.testing.assert_close(tiled, full)
+    for a, b in zip(tiled_grads, [hidden.grad, head.weight.grad, head.bias.grad]):
+        torch.testing.assert_close(a, b)
+    head.weight.grad = None
+    empty = fused_cross_entropy_sum(hidden[:0], head, targets[:0])
+    empty.backward()
+    assert float(empty.detach()) == 0.0 and head.weight.grad is not None and float(head.weight.grad.abs().sum()) == 0.0
+
+
+def test_no_logit_sized_tensor_is_saved_and_the_head_projects_only_counted_targets() -> None:
+    from tests.unit.test_startup_check_memory import HIDDEN, MIN_LENGTH, LiveLogitSizedSaves
+
+    model = build_tiny_model("causal_lm", hidden_size=HIDDEN)
+    samples = make_samples("causal_lm", 4, seed=1, min_length=MIN_LENGTH, max_length=MIN_LENGTH + 8)
+    rows: list[int] = []
+
+    class Counting(GradAccTrainer):
+        def create_optimizer(self, *args, **kwargs):
+            def count(_module, _args, output):
+                # the training forward: not the start-up check's row (no gradient), not a backward recomputation
+                if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+                    rows.append(getattr(output, "fused_rows", -1))
+
+            self.model.get_output_embeddings().register_forward_hook(count)
+            return super().create_optimizer(*args, **kwargs)
+
+    probe = LiveLogitSizedSaves(VOCAB_SIZE)
+    args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=2, args_class=GradAccConfig,
+                         fused_lm_head=True)  # fmt: skip
+    with probe.hooks():
+        update, _ = one_step_update(Counting, model, samples, args)
+    assert probe.num_saved == 0  # nothing [tokens x vocabulary] is kept for backward
+    batches = [PaddingCollator()(samples[i : i + 2]) for i in (0, 2)]
+    counted = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    assert sum(rows) == counted and len(rows) == 2
+    assert compare_with_reference(update, model, samples, "causal_lm").relative_error <= TOLERANCE
+
+
+def test_evaluation_keeps_the_full_logits() -> None:
+    model = _model("llama")
+    samples = make_samples("causal_lm", 4, seed=3)
+    from hf_gradacc.testing.tiny import ListDataset
+
+    trainer = GradAccTrainer(model=model, args=_args(True), train_dataset=ListDataset(samples),
+                             eval_dataset=ListDataset(samples), data_collator=PaddingCollator())  # fmt: skip
+    output = trainer.predict(ListDataset(samples))
+    assert output.predictions.shape[-1] == VOCAB_SIZE and output.metrics["test_loss"] > 0
+
+
+def test_unsupported_setups_are_refused() -> None:
+    samples = make_samples("causal_lm", 4, seed=3)
+    with pytest.raises(GradAccConfigError, match="fused_lm_head=True.*router"):
+        one_step_update(GradAccTrainer, build_tiny_moe("mixtral"), samples, _args(True))
+    with pytest.raises(GradAccConfigError, match="fused_lm_head"):
+        one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=1, args_class=GradAccConfig,
+                      fused_lm_head="yes")  # fmt: skip
