@@ -140,6 +140,36 @@ def check_client_optimizer(optimizer: Any) -> None:
         )
 
 
+ZERO_OPTIMIZER_CLASSES = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
+
+
+def _has_coalescing(engine: Any) -> bool:
+    """Whether this DeepSpeed can hold a window's gradient reduction (``engine.coalesce_grad_reduction``: in 0.19.8,
+    not in 0.18.6)."""
+    return callable(getattr(engine, "coalesce_grad_reduction", None))
+
+
+def check_zero_optimizer(zero_optimizer: Any, stage: int, zero_reduction: str, *, has_coalescing: bool) -> None:
+    """The ZeRO optimizer DeepSpeed built is one GradAccTrainer drives, and ``zero_reduction`` is one this DeepSpeed
+    can do; otherwise an :class:`~hf_gradacc.UnsupportedBackendError` with the way out."""
+    name = type(zero_optimizer).__name__
+    if stage not in SUPPORTED_ZERO_STAGES or name not in ZERO_OPTIMIZER_CLASSES:
+        raise UnsupportedBackendError(
+            f"DeepSpeed built a {name} (ZeRO stage {stage}); GradAccTrainer drives the ZeRO-1/2/3 optimizers "
+            f"({', '.join(ZERO_OPTIMIZER_CLASSES)}). With bf16 and ZeRO-1, drop `data_types.grad_accum_dtype: fp32` "
+            "from the DeepSpeed config, or use ZeRO-2."
+        )
+    if zero_reduction == "per_window" and not (has_coalescing and hasattr(zero_optimizer, "_coalesce_grad_reduction")):
+        import deepspeed
+
+        raise UnsupportedBackendError(
+            f"`zero_reduction='per_window'` holds the window's gradient reduction in DeepSpeed's "
+            f"`engine.coalesce_grad_reduction()`, which DeepSpeed {deepspeed.__version__} does not have (0.19.8 "
+            "has it). Set `zero_reduction='per_micro_batch'` (the default: the same update, one reduction per "
+            "micro-batch), or upgrade DeepSpeed."
+        )
+
+
 class DeepSpeedBackend(Backend):
     """DeepSpeed ZeRO-1/2/3: the trainer sets the boundary, runs ``engine.backward`` and ``engine.step`` itself.
 
@@ -222,12 +252,7 @@ class DeepSpeedBackend(Backend):
         self.engine = engine
         stage = self.zero_stage = int(engine.zero_optimization_stage())
         zero_optimizer = engine.optimizer
-        if stage not in SUPPORTED_ZERO_STAGES or not hasattr(zero_optimizer, "_coalesce_grad_reduction"):
-            raise UnsupportedBackendError(
-                f"DeepSpeed built a {type(zero_optimizer).__name__} (ZeRO stage {stage}); GradAccTrainer drives the "
-                "ZeRO-1/2/3 optimizers (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3). With bf16 and "
-                "ZeRO-1, drop `data_types.grad_accum_dtype: fp32` from the DeepSpeed config, or use ZeRO-2."
-            )
+        check_zero_optimizer(zero_optimizer, stage, self.zero_reduction, has_coalescing=_has_coalescing(engine))
         basic = getattr(zero_optimizer, "optimizer", None)
         if basic is not None:
             check_client_optimizer(basic)

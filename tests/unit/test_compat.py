@@ -215,3 +215,27 @@ def test_end_works_without_an_upstream_end(monkeypatch, helpers):
     kwargs["args"] = helpers.make_args()
     trainer = GradAccTrainer(**kwargs)
     trainer.end()  # raised AttributeError ('super' object has no attribute 'end') before
+
+
+def _fake_optimizer(name: str, *, coalescing: bool) -> object:
+    attrs = {"_coalesce_grad_reduction": False} if coalescing else {}
+    return type(name, (), attrs)()
+
+
+def test_per_window_reduction_is_refused_where_deepspeed_cannot_coalesce():
+    """DeepSpeed 0.18.6 (axolotl's pin) has no `engine.coalesce_grad_reduction`: `zero_reduction='per_window'` is
+    refused with the way out, the default `per_micro_batch` is accepted (tests/distributed/test_compat_stack.py runs
+    it on 0.18.6)."""
+    pytest.importorskip("deepspeed")
+    from hf_gradacc import UnsupportedBackendError
+    from hf_gradacc.backends.deepspeed import check_zero_optimizer
+
+    old = _fake_optimizer("DeepSpeedZeroOptimizer", coalescing=False)
+    check_zero_optimizer(old, 2, "per_micro_batch", has_coalescing=False)
+    with pytest.raises(UnsupportedBackendError, match=r"zero_reduction='per_micro_batch'.*or upgrade DeepSpeed"):
+        check_zero_optimizer(old, 2, "per_window", has_coalescing=False)
+    new = _fake_optimizer("DeepSpeedZeroOptimizer_Stage3", coalescing=True)
+    check_zero_optimizer(new, 3, "per_window", has_coalescing=True)
+    with pytest.raises(UnsupportedBackendError, match="BF16_Optimizer"):
+        check_zero_optimizer(_fake_optimizer("BF16_Optimizer", coalescing=False), 1, "per_micro_batch",
+                             has_coalescing=True)  # fmt: skip
