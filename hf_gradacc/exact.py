@@ -112,11 +112,13 @@ def make_exact(trainer: Trainer, **gradacc_args: Any) -> Trainer:
     except BaseException:
         trainer.__class__ = original
         raise
-    if "compute_loss" in exact.__dict__:
+    if "compute_loss" in exact.__dict__ and not exact.__module__.startswith("hf_gradacc.trl"):
         # The class's compute_loss may call super().compute_loss, which is then the STOCK Trainer's: with
         # `model_accepts_loss_kwargs` it would multiply the micro-batch's mean by the number of processes
         # (`average_tokens_across_devices`). Off, the model averages over its own micro-batch, which is what the
-        # mixin reads a plain loss as. Nothing else in hf_gradacc's step reads it.
+        # mixin reads a plain loss as. Nothing else in hf_gradacc's step reads it. hf_gradacc.trl's trainers undo
+        # TRL's own normalisation, which on TRL < 1.15 is the stock Trainer's with the step's `num_items_in_batch`
+        # handed to the model: left on for them.
         trainer.model_accepts_loss_kwargs = False
     logger.info(f"hf_gradacc: {original.__name__} made exact ({exact.__name__}).")
     return trainer

@@ -70,7 +70,7 @@ except ImportError as _error:  # pragma: no cover - exercised with trl hidden fr
 
 import trl as _trl  # noqa: E402
 
-from .compat import SUPPORTED_VERSIONS, is_supported  # noqa: E402
+from .compat import SUPPORTED_VERSIONS, installed_version, is_supported, trl_at_least  # noqa: E402
 
 if not is_supported("trl", _trl.__version__):
     raise TRLDependencyError(
@@ -89,6 +89,29 @@ __all__ = [
     "GradAccSFTTrainer",
     "TRLDependencyError",
 ]
+
+# What hf_gradacc's trainers read from TRL, by the first release that has it (docs/compatibility.md, "What depends on
+# the version"). Older releases in the supported range take the other branch where it exists, or are refused at
+# construction naming the feature (:func:`_refuse_before`).
+# TRL's fused LM head (`model(..., fused_lm_head=True)`: per-token log-probabilities and entropies, no full logits) in
+# SFT, DPO and GRPO. Before it, SFT's default `chunked_nll` patches the model's forward, whose loss holds the router
+# term; DPO reads the full logits; GRPO computes entropies from the logits inside TRL.
+_TRL_FUSED_LM_HEAD = "1.15"
+# GRPO: `dapo` / `cispo` / `vespo` divided by the generation batch's tokens rescaled to one accumulation window, the
+# entropy bonus a token mean / GA for every loss type, `luspo` masked before its per-sequence sum. Before it (1.9) the
+# generation batch's tokens are not rescaled and `luspo` with token-level importance sampling sums padded positions.
+_TRL_GRPO_STEP_NORMALISED = "1.10"
+
+
+def _refuse_before(version: str, feature: str, why: str, way_out: str) -> None:
+    """Raise :class:`~hf_gradacc.GradAccConfigError` when the installed TRL is older than ``version``: ``feature``
+    (the setting, by its field) cannot be made exact there."""
+    if not trl_at_least(version):
+        raise GradAccConfigError(
+            f"{feature} needs trl>={version} with hf_gradacc (installed {installed_version('trl')}): {why}. "
+            f"{way_out}, or upgrade TRL (pip install 'trl>={version},<2')."
+        )
+
 
 # TRL's DPO losses that are not a mean of per-pair values: they sort the log-ratios of the micro-batch, so the step
 # depends on how pairs are grouped. Exact only when the whole step is one micro-batch on one process.
@@ -249,16 +272,19 @@ def _pair_lengths(trainer: GradAccMixin, dataset: Any, *, prompt: str | None, ma
 
 
 class _ForwardRecorder:
-    """Stands for the model inside TRL's ``compute_loss`` and keeps the outputs of the first forward pass that uses
-    the fused LM head (the policy's), for the router term. Everything else is the model's."""
+    """Stands for the model inside TRL's ``compute_loss`` and keeps the outputs of the policy's forward pass, for the
+    router term: the first one that uses the fused LM head (TRL >= 1.15), or the first one at all (older TRL, whose
+    SFT and DPO losses run the policy through this model once, and the reference elsewhere). Everything else is the
+    model's."""
 
     def __init__(self, model: nn.Module) -> None:
         self._model = model
+        self._fused = trl_at_least(_TRL_FUSED_LM_HEAD)
         self.outputs: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         outputs = self._model(*args, **kwargs)
-        if self.outputs is None and kwargs.get("fused_lm_head"):
+        if self.outputs is None and (kwargs.get("fused_lm_head") or not self._fused):
             self.outputs = outputs
         return outputs
 
@@ -298,7 +324,8 @@ def _router_term(trainer: Any, recorder: _ForwardRecorder | None, window: Any) -
     aux = getattr(recorder.outputs, "aux_loss", None)
     if not torch.is_tensor(aux):
         return None
-    weighted = trainer.router_aux_loss_coef * aux.reshape(())
+    coef = getattr(trainer, "router_aux_loss_coef", None)  # TRL < 1.15's SFTTrainer keeps it in its args only
+    weighted = (trainer.args.router_aux_loss_coef if coef is None else coef) * aux.reshape(())
     routed = window.current_counts.num_input_tokens
     return weighted, LossTerm(total=weighted * routed, normalize_by="input_tokens")
 
@@ -383,9 +410,13 @@ class GradAccSFTTrainer(GradAccMixin, SFTTrainer):
         )
         loss, outputs = _split(out, return_outputs)
         router = _router_term(self, recorder, window)
-        if router is not None:
+        if router is not None and trl_at_least(_TRL_FUSED_LM_HEAD):
             # TRL adds coef x aux / (micro-batches of the step); the router term is kept apart, by routed tokens.
             loss = loss - router[0] / self.current_gradient_accumulation_steps
+        elif router is not None:
+            # TRL < 1.15: the model's own loss (its patched `chunked_nll` forward or its stock one) holds coef x aux,
+            # scaled with the token loss by the process factor; kept apart, by routed tokens.
+            loss = loss - router[0] * self._trl_loss_scale()
         # TRL returned sum / num_tokens, times the number of processes when `average_tokens_across_devices`: undo both
         # to hand the mixin the micro-batch's sum (it divides by the same count and multiplies by the world size).
         main = LossTerm(total=loss * (num_tokens / self._trl_loss_scale()), normalize_by="tokens")
@@ -399,6 +430,8 @@ class GradAccSFTTrainer(GradAccMixin, SFTTrainer):
         which is all hf_gradacc's backends do)."""
         if not self.aux_loss_enabled or self.compute_loss_func is not None:
             return False
+        if not trl_at_least(_TRL_FUSED_LM_HEAD):
+            return self.label_smoother is None  # TRL < 1.15 takes the labels away from the model for label smoothing
         return not (self.label_smoother is not None and self.args.loss_type == "nll")
 
     def _trl_loss_scale(self) -> int:
@@ -529,9 +562,15 @@ def _without_labels(inputs: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _chosen_nll(outputs: Any, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """The chosen completions' negative log-likelihood of the micro-batch: its sum, and TRL's "sft" value (the mean
-    over the micro-batch's chosen tokens), from the policy forward's per-token log-probabilities."""
+    over the micro-batch's chosen tokens), from the policy forward's per-token log-probabilities (TRL >= 1.15's fused
+    head), or from its full logits (older TRL, whose "sft" term is the cross-entropy of those logits)."""
     shift_mask = inputs["completion_mask"][..., 1:]
-    per_token = outputs.log_probs[:, -shift_mask.size(1) :]
+    log_probs = getattr(outputs, "log_probs", None)
+    if log_probs is None:
+        logits = outputs.logits[:, -inputs["input_ids"].size(1) :][:, :-1]
+        targets = inputs["input_ids"][..., 1:]
+        log_probs = torch.gather(logits.log_softmax(-1), -1, targets.unsqueeze(-1)).squeeze(-1)
+    per_token = log_probs[:, -shift_mask.size(1) :]
     chosen_logps, _ = per_token.chunk(2, dim=0)
     chosen_mask, _ = shift_mask.chunk(2, dim=0)
     picked = chosen_logps[chosen_mask.bool()]
@@ -641,7 +680,8 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
     entropy threshold is a quantile over ONE micro-batch's tokens), regrouping and packing (GRPO's dataloader yields
     prompts, not sequences), ``accumulation_schedule`` (TRL's generation cadence assumes a fixed number of
     micro-batches per step), ``auto_micro_batch`` and ``defer_normalization``, and loss types this version does not
-    know.
+    know. On TRL < 1.15 (no fused LM head) also the entropy bonus and a mixture-of-experts router term, and on TRL 1.9
+    ``luspo`` with a per-token loss, each naming the installed TRL and the version that has it (docs/trl.md).
 
     Example:
         ```python
@@ -749,6 +789,8 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
         if self.loss_type in _GRPO_GENERATION_NORMALISED:
             # the generation batch's tokens over every process, rescaled to one step: N / W x GA / steps_per_generation
             generated = float(inputs["num_items_in_batch"].clamp(min=1.0))
+            if not trl_at_least(_TRL_GRPO_STEP_NORMALISED):  # TRL 1.9: N / W, not rescaled to the step
+                return generated / self.accelerator.num_processes
             return generated / self.accelerator.num_processes * steps / self.args.steps_per_generation
         if self.loss_type == "bnpo":
             return float(steps * max(int(mask.sum()), 1))
@@ -765,6 +807,7 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
 def _refuse_grpo_settings(trainer: Any) -> None:
     """The GRPO settings no split of the step into sums can reproduce, or that would replace TRL's dataloader."""
     args, settings, name = trainer.args, trainer.gradacc, type(trainer).__name__
+    _refuse_grpo_before_fused_head(trainer)
     if trainer.loss_type not in _GRPO_DENOMINATORS:
         raise GradAccConfigError(
             f"`loss_type` {trainer.loss_type!r} is not one {name} knows how TRL normalises; it cannot make it exact. "
@@ -796,6 +839,40 @@ def _refuse_grpo_settings(trainer: Any) -> None:
             "generation-time log-probabilities follow the fixed `gradient_accumulation_steps`. Remove "
             "`accumulation_schedule`."
         )
+
+
+def _refuse_grpo_before_fused_head(trainer: Any) -> None:
+    """What GRPO reads from TRL's fused LM head (TRL >= 1.15), or from TRL >= 1.10's normalisers, refused on older
+    TRL naming the field: TRL 1.9 computes the entropies and the router loss inside ``_compute_loss``, out of reach."""
+    name = type(trainer).__name__
+    if trainer._entropy_bonus_enabled:
+        _refuse_before(
+            _TRL_FUSED_LM_HEAD, f"{name}'s entropy bonus (`entropy_coef` / `use_adaptive_entropy`)",
+            "hf_gradacc reads the per-token entropies from the outputs of TRL's fused LM head to keep the bonus as its "
+            "own term over the step's tokens, and older TRL computes them from the logits inside its loss",
+            "Set `entropy_coef=0.0` and `use_adaptive_entropy=False`",
+        )  # fmt: skip
+    if trainer.aux_loss_enabled:
+        _refuse_before(
+            _TRL_FUSED_LM_HEAD, f"{name} with a mixture-of-experts router loss (`router_aux_loss_coef`)",
+            "hf_gradacc reads the router loss from the outputs of TRL's fused LM head to weight it by routed tokens, "
+            "and older TRL computes it inside its loss",
+            "Set `router_aux_loss_coef=0.0`",
+        )  # fmt: skip
+    exact_luspo = (
+        trainer.importance_sampling_level == "sequence"
+        and trainer.beta == 0.0
+        and trainer.top_entropy_quantile == 1.0
+        and not (trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+    )
+    if trainer.loss_type == "luspo" and not exact_luspo:
+        _refuse_before(
+            _TRL_GRPO_STEP_NORMALISED, f'{name} with `loss_type="luspo"` and a per-token loss',
+            "TRL 1.9's luspo averages the per-token loss times each sequence's length over every position of the "
+            "micro-batch, padding included, so the step depends on how completions are padded together",
+            'Use `importance_sampling_level="sequence"` with `beta=0.0` (the LUSPO paper\'s setup), or another '
+            "`loss_type`",
+        )  # fmt: skip
 
 
 def _agree_on_micro_batches(trainer: Any, num_local: int) -> None:

@@ -42,7 +42,7 @@ EOS_TOKEN_ID = 1
 # ---------------------------------------------------------------------------------------------- tokenizer, data
 def cpu_config_flags(config_class: type) -> dict[str, bool]:
     """TRL config flags for a float32 CPU step: ``bf16=False`` (TRL's default is True) and, where the config has it
-    (TRL 1.16; not 1.9), ``activation_checkpointing=False``."""
+    (a `TrainingArguments` field of transformers 5.24; not 5.16.1), ``activation_checkpointing=False``."""
     fields = getattr(config_class, "__dataclass_fields__", {})
     return {name: False for name in ("bf16", "activation_checkpointing") if name in fields}
 

@@ -54,7 +54,7 @@ class LossChangingDPOTrainer(DPOTrainer):
 def _args(tmp_path, config_class, **config):
     return one_step_args(
         str(tmp_path / "out"), per_device_train_batch_size=SPLIT[0], gradient_accumulation_steps=SPLIT[1],
-        args_class=config_class, bf16=False, activation_checkpointing=False, **config,
+        args_class=config_class, **trl_steps.cpu_config_flags(config_class), **config,
     )  # fmt: skip
 
 

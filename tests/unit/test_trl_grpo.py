@@ -32,6 +32,7 @@ from transformers import HfArgumentParser  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccMixin  # noqa: E402
+from hf_gradacc.compat import installed_version, trl_at_least  # noqa: E402
 from hf_gradacc.testing.grpo_steps import (  # noqa: E402
     GRPOStepRecorder,
     build_tiny_moe_policy,
@@ -61,6 +62,15 @@ LOSS_CONFIG: dict[str, dict[str, Any]] = {
 }
 
 
+# What TRL < 1.15 lacks (the fused LM head's per-token entropies and router loss): refused there at construction, by
+# test_what_this_trl_cannot_make_exact_is_refused_naming_the_versions below.
+NEEDS_FUSED_HEAD = pytest.mark.skipif(
+    not trl_at_least("1.15"),
+    reason=f"trl {installed_version('trl')}: GRPO's entropy bonus and router term need trl>=1.15 (fused LM head); "
+    "refused at construction on this version (test_what_this_trl_cannot_make_exact_is_refused_naming_the_versions)",
+)
+
+
 @pytest.fixture(autouse=True)
 def _no_telemetry(monkeypatch):
     """TRL pings the Hub when a trainer is built; tests run offline."""
@@ -75,7 +85,7 @@ def grpo_args(config_class: type, output_dir, *, split: tuple[int, int] = (BS, G
     return one_step_args(
         str(output_dir), per_device_train_batch_size=batch_size, gradient_accumulation_steps=gas,
         args_class=config_class, bf16=False, num_generations=2, max_completion_length=MAX_COMPLETION_LENGTH,
-        beta=0.0, seed=0, **LOSS_CONFIG.get(config["loss_type"], {}), **config,
+        beta=0.0, seed=0, **{**LOSS_CONFIG.get(config["loss_type"], {}), **config},
     )  # fmt: skip
 
 
@@ -144,6 +154,30 @@ def test_settings_that_cannot_be_exact_are_refused_naming_the_field(tmp_path, ca
     with pytest.raises(GradAccConfigError, match=message):
         GradAccGRPOTrainer(model=build_tiny_policy(), reward_funcs=length_reward, args=args,
                            train_dataset=grpo_prompts(), processing_class=grpo_tokenizer())  # fmt: skip
+
+
+OLD_TRL_REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {  # case: (TRL that has it, config, message)
+    "entropy_coef": ("1.15", {"entropy_coef": 0.3}, "entropy bonus"),
+    "adaptive_entropy": ("1.15", {"use_adaptive_entropy": True, "entropy_coef": 0.1}, "entropy bonus"),
+    "router": ("1.15", {"router_aux_loss_coef": 0.5}, "router loss"),
+    "luspo_token_level": ("1.10", {"loss_type": "luspo", "importance_sampling_level": "token"}, "luspo"),
+}
+
+
+@pytest.mark.parametrize("case", list(OLD_TRL_REFUSED))
+def test_what_this_trl_cannot_make_exact_is_refused_naming_the_versions(tmp_path, case: str) -> None:
+    """On a TRL older than the release that has what hf_gradacc reads, the setting is refused at construction with a
+    GradAccConfigError naming the feature, the installed TRL and the version that has it (never a wrong step or an
+    AttributeError mid-training). Runs only on such a TRL (1.9 in the compatibility stage)."""
+    version, config, feature = OLD_TRL_REFUSED[case]
+    if trl_at_least(version):
+        pytest.skip(f"trl {installed_version('trl')} has it (>= {version}): exact, tested above")
+    model = build_tiny_moe_policy(router_aux_loss_coef=0.5) if case == "router" else build_tiny_policy()
+    args = grpo_args(GradAccGRPOConfig, tmp_path, **config)
+    message = rf"{feature}.*needs trl>={version} with hf_gradacc \(installed {installed_version('trl')}\)"
+    with pytest.raises(GradAccConfigError, match=message):
+        GradAccGRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=grpo_prompts(),
+                           processing_class=grpo_tokenizer())  # fmt: skip
 
 
 def test_top_entropy_quantile_is_allowed_with_one_micro_batch_per_step(tmp_path) -> None:
@@ -237,6 +271,7 @@ def test_stock_grpo_where_it_is_off(tmp_path, loss_type: str, spg: int) -> None:
     assert error <= TOL if STOCK_VERDICTS[loss_type, spg] else error > 1e-2, error
 
 
+@NEEDS_FUSED_HEAD
 @pytest.mark.parametrize("spg", (4, 8), ids=lambda s: f"spg{s}")
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_entropy_bonus_is_a_mean_over_the_step_completion_tokens(tmp_path, loss_type: str, spg: int) -> None:
@@ -257,6 +292,7 @@ def test_entropy_bonus_is_a_mean_over_the_step_completion_tokens(tmp_path, loss_
     assert error.relative_error > 1e-3, error  # TRL: the micro-batch's token mean of the entropy / GA
 
 
+@NEEDS_FUSED_HEAD
 def test_adaptive_entropy_controller_measures_the_step(tmp_path) -> None:
     """TRL's adaptive controller accumulates the entropy of every micro-batch and reduces it at the step's boundary
     (``sync_gradients``, which the mixin sets on the last micro-batch): it must see the step's exact token mean. The
@@ -273,6 +309,7 @@ def test_adaptive_entropy_controller_measures_the_step(tmp_path) -> None:
     assert trainer.entropy_coef == pytest.approx(0.15)  # below the target: raised once, at the step's end
 
 
+@NEEDS_FUSED_HEAD
 def test_moe_router_term_is_weighted_by_routed_tokens(tmp_path) -> None:
     model = build_tiny_moe_policy(router_aux_loss_coef=0.5)
     update, trainer = grpo_run(GradAccGRPOTrainer, GradAccGRPOConfig, tmp_path, model=model)

@@ -15,6 +15,7 @@ code). Tolerance: relative error <= 1e-5. Every run sets ``bf16=False`` (TRL's d
 from __future__ import annotations
 
 import copy
+import itertools
 from collections import Counter
 from typing import Any
 
@@ -27,7 +28,7 @@ from datasets import Dataset  # noqa: E402
 
 from hf_gradacc import GradAccConfigError  # noqa: E402
 from hf_gradacc.data import find_regroup_sampler  # noqa: E402
-from hf_gradacc.data.pack import WindowPackBatchSampler  # noqa: E402
+from hf_gradacc.data.pack import WindowPackBatchSampler, packed_sequence_lengths  # noqa: E402
 from hf_gradacc.testing import trl_steps  # noqa: E402
 from hf_gradacc.testing.one_step import one_step_args  # noqa: E402
 from hf_gradacc.testing.reference import compare  # noqa: E402
@@ -118,11 +119,12 @@ def one_step(
 
 
 def sequences(batch: dict[str, Any]) -> list[tuple[int, ...]]:
-    """The token ids of every sequence of a micro-batch: cut at ``cu_seq_lens_q`` (padding-free rows, TRL's packed
-    documents) or read through the attention mask (padded rows)."""
+    """The token ids of every sequence of a micro-batch: cut where a padding-free row's sequences start (TRL's packed
+    documents; ``cu_seq_lens_q``, or ``position_ids`` restarting at 0 where TRL < 1.15's collator gives no offsets) or
+    read through the attention mask (padded rows)."""
     ids = batch["input_ids"]
-    if "cu_seq_lens_q" in batch:
-        offsets = batch["cu_seq_lens_q"].tolist()
+    if "attention_mask" not in batch:
+        offsets = [0, *itertools.accumulate(packed_sequence_lengths(batch))]
         return [tuple(ids[0, a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
     return [tuple(row[mask.bool()].tolist()) for row, mask in zip(ids, batch["attention_mask"])]
 
