@@ -159,3 +159,23 @@ def test_unsupported_setups_are_refused() -> None:
     with pytest.raises(GradAccConfigError, match="fused_lm_head"):
         one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=1, args_class=GradAccConfig,
                       fused_lm_head="yes")  # fmt: skip
+
+
+def test_fused_head_on_packed_micro_batches_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_gradacc.builtin_loss as builtin_loss_module
+
+    rows: list[int] = []
+    original = builtin_loss_module.fused_causal_lm_sum
+
+    def spy(model, inputs, targets, **kwargs):
+        rows.append(int(targets.shape[0]))
+        return original(model, inputs, targets, **kwargs)
+
+    monkeypatch.setattr(builtin_loss_module, "fused_causal_lm_sum", spy)
+    model = build_tiny_model("causal_lm")
+    model.config._attn_implementation = "sdpa"
+    samples = make_samples("causal_lm", 8, seed=3)  # one optimizer step
+    update, _ = one_step_update(GradAccTrainer, model, samples, _args(True, pack_micro_batches=True,
+                                                                       max_tokens_per_micro_batch=40))  # fmt: skip
+    assert len(rows) > 1 and set(rows) == {1}  # several packed rows, each through the fused head
+    assert compare_with_reference(update, model, samples, "causal_lm").relative_error <= TOLERANCE
