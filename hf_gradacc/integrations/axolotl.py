@@ -29,7 +29,7 @@ front, keeping the class's own overrides. Two things are axolotl-specific:
   ``DataCollatorWithFlattening`` and hf_gradacc's own packing do. Then the tokens counted are those of the samples
   trained unpacked, and a packed step equals the unpacked one.
 
-Refused, with the reason, at trainer creation (before any step): packing with an attention that lets packed samples
+Refused, with the reason, before the model is loaded (``pre_model_load``; checked again on the built trainer): packing with an attention that lets packed samples
 see each other; packing for a reward / process-reward / preference trainer (their counts are per sample, and
 axolotl's packed rows do not carry the sample boundaries hf_gradacc counts samples from); packing together with
 hf_gradacc's own ``regroup_micro_batches`` / ``max_tokens_per_micro_batch`` / ``pack_micro_batches`` (axolotl's
@@ -136,8 +136,11 @@ class GradAccPlugin(BasePlugin):
     def get_input_args(self) -> str:
         return f"{__name__}.GradAccAxolotlArgs"
 
+    def pre_model_load(self, cfg: Any) -> None:
+        check_axolotl_config(cfg, _knobs(cfg))  # refuse before the model is loaded; checked again on the trainer
+
     def post_trainer_create(self, cfg: Any, trainer: Trainer) -> None:
-        knobs = {**AXOLOTL_DEFAULTS, **dict(cfg.get("gradacc") or {})}
+        knobs = _knobs(cfg)
         check_axolotl_config(cfg, knobs)
         if cfg.get("sample_packing"):
             check_packing_support(trainer.model)  # the attention keeps packed samples apart, or the reason
@@ -149,6 +152,10 @@ class GradAccPlugin(BasePlugin):
             f"{type(trainer).__name__}); knobs {knobs}"
             + ("; packed rows: the label at each sample start is ignored" if cfg.get("sample_packing") else "")
         )
+
+
+def _knobs(cfg: Any) -> dict[str, Any]:
+    return {**AXOLOTL_DEFAULTS, **dict(cfg.get("gradacc") or {})}
 
 
 def check_axolotl_config(cfg: Mapping[str, Any], knobs: Mapping[str, Any]) -> None:
