@@ -623,7 +623,7 @@ class GradAccMixin:
             ```
         """
         finish_distributed()  # barrier, destroy the group, let gloo threads finish
-        upstream_end = getattr(super(), "end", None)  # `Trainer.end` is new in transformers 5.2x
+        upstream_end = getattr(super(), "end", None)  # no `Trainer.end` in transformers 5.6 / 5.16
         if upstream_end is not None:
             upstream_end()  # trackers; the group is already gone
 
