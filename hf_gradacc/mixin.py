@@ -105,6 +105,12 @@ class GradAccMixin:
         self._custom_compute_loss = type(self).compute_loss is not GradAccMixin.compute_loss or self._loss_from_func
         self._plain_override = self._custom_compute_loss and not self._loss_from_func
         self._custom_training_step = type(self).training_step is not GradAccMixin.training_step
+        if settings.fused_lm_head and self._custom_compute_loss:
+            logger.warning(
+                f"`fused_lm_head=True` is ignored: {type(self).__name__} computes its loss itself (an overridden "
+                "`compute_loss` or a `compute_loss_func`), so the LM head runs wherever that code runs it. Set "
+                "`fused_lm_head=False`, or leave the loss to hf_gradacc's built-in one."
+            )
         self.head = Head.for_model(
             self.model,
             requested=settings.head_type,

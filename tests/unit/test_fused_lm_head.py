@@ -179,3 +179,22 @@ def test_fused_head_on_packed_micro_batches_is_exact(monkeypatch: pytest.MonkeyP
                                                                        max_tokens_per_micro_batch=40))  # fmt: skip
     assert len(rows) > 1 and set(rows) == {1}  # several packed rows, each through the fused head
     assert compare_with_reference(update, model, samples, "causal_lm").relative_error <= TOLERANCE
+
+
+def test_fused_lm_head_with_an_own_loss_is_warned_as_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    """A trainer that computes its loss itself never reaches the fused head: the setting is ignored, with a warning."""
+    from hf_gradacc.testing.tiny import ListDataset
+
+    class OwnLoss(GradAccTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    samples = ListDataset(make_samples("causal_lm", 4, seed=3))
+    tf.utils.logging.enable_propagation()
+    with caplog.at_level("WARNING"):
+        OwnLoss(model=_model("llama"), args=_args(True), train_dataset=samples, data_collator=PaddingCollator())
+    assert "`fused_lm_head=True` is ignored: OwnLoss computes its loss itself" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        GradAccTrainer(model=_model("llama"), args=_args(True), train_dataset=samples, data_collator=PaddingCollator())
+    assert "is ignored" not in caplog.text
