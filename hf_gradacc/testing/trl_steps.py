@@ -359,7 +359,16 @@ class _FixedBatchLayout:
             raise ValueError(f"the batch layout {self.batch_layout} covers {sum(self.batch_layout)} samples, the "
                              f"dataset holds {len(dataset)}")  # fmt: skip
         loader = DataLoader(dataset, batch_sampler=LayoutBatchSampler(self.batch_layout), collate_fn=collator)
-        return self.accelerator.prepare(loader)
+        # accelerate 1.11-1.13 refuse a batch sampler without a batch size with `even_batches=True`; the layout deals
+        # every rank the same number of batches, so sharding it unevenly deals the same batches (compat.py)
+        from ..compat import shard_even_batches
+
+        even = self.accelerator.even_batches
+        self.accelerator.even_batches = shard_even_batches(even)
+        try:
+            return self.accelerator.prepare(loader)
+        finally:
+            self.accelerator.even_batches = even
 
 
 def with_batch_layout(trainer_class: type, sizes: Sequence[int]) -> type:

@@ -75,11 +75,17 @@ class _RowRecorder:
 
 
 def _sequences(batch: dict[str, Any]) -> list[list[int]]:
-    """Token ids of every sequence of a micro-batch: padding-free rows cut at ``cu_seq_lens_q``, padded rows read
-    through the attention mask."""
+    """Token ids of every sequence of a micro-batch: padding-free rows cut where their sequences start
+    (``cu_seq_lens_q``, or ``position_ids`` restarting at 0 where TRL < 1.16's collator gives no offsets), padded rows
+    read through the attention mask."""
     ids = batch["input_ids"].cpu()
-    if "cu_seq_lens_q" in batch:
-        offsets = batch["cu_seq_lens_q"].tolist()
+    if "attention_mask" not in batch:
+        from itertools import accumulate
+
+        from hf_gradacc.data.pack import packed_sequence_lengths
+
+        offsets = [0, *accumulate(packed_sequence_lengths({k: v.cpu() if torch.is_tensor(v) else v
+                                                           for k, v in batch.items()}))]  # fmt: skip
         return [ids[0, a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
     return [row[mask.bool()].tolist() for row, mask in zip(ids, batch["attention_mask"].cpu())]
 
