@@ -294,6 +294,47 @@ def check_trainer_class(trainer_class: type) -> None:
     trl_members = tuple(m for m in TRL_MEMBERS if _derives_from(trainer_class, m.owner))
     if trl_members:
         check_members(trl_members)
+    warn_replaced_trainer_methods(trainer_class)
+
+
+# `Trainer` methods a library may replace at class level on import (unsloth's gradient-accumulation fix replaces
+# `get_batch_samples`, `compute_loss`, `training_step` and `_inner_training_loop` on a GPU).
+PATCHABLE_TRAINER_METHODS = ("compute_loss", "get_batch_samples", "training_step", "_inner_training_loop")
+
+
+def replaced_trainer_methods() -> dict[str, str]:
+    """``{method: module}`` for every method of :data:`PATCHABLE_TRAINER_METHODS` and every declared `Trainer`
+    member whose function on `transformers.Trainer` no longer comes from transformers."""
+    from transformers import Trainer
+
+    names = {*PATCHABLE_TRAINER_METHODS, *(m.name for m in TRAINER_MEMBERS if m.kind != "attribute")}
+    replaced = {}
+    for name in sorted(names):
+        function = inspect.getattr_static(Trainer, name, None)
+        module = getattr(function, "__module__", None) or ""
+        if function is not None and module.split(".")[0] != "transformers":
+            replaced[name] = module
+    return replaced
+
+
+def warn_replaced_trainer_methods(trainer_class: type) -> None:
+    """Compose with a library that patched `Trainer` at class level (unsloth): hf_gradacc's own ``training_step``,
+    ``get_batch_samples``, ``compute_loss`` and ``_run_epoch`` run instead of the patched ones, so the step stays
+    exact; what can still reach a patched method is an override in the trainer's class calling ``super()`` past the
+    mixin (``compute_loss`` in a `Trainer` subclass): warned, with the way out."""
+    replaced = replaced_trainer_methods()
+    if not replaced:
+        return
+    import logging
+
+    listed = ", ".join(f"Trainer.{name} (now from {module})" for name, module in replaced.items())
+    logging.getLogger("hf_gradacc").warning(
+        f"{listed}: another library replaced these transformers.Trainer methods at class level (unsloth does on "
+        f"import). {trainer_class.__name__} runs hf_gradacc's own step, training_step, get_batch_samples and built-in "
+        "loss instead, so the step stays exact; a compute_loss override that calls super() past hf_gradacc reaches "
+        "the replaced one, whose normalisation hf_gradacc cannot see: return the loss from the model (or an "
+        "hf_gradacc.LossTerm) instead, and check with `hf-gradacc check`."
+    )
 
 
 def _derives_from(cls: type, owner: str) -> bool:

@@ -239,3 +239,23 @@ def test_per_window_reduction_is_refused_where_deepspeed_cannot_coalesce():
     with pytest.raises(UnsupportedBackendError, match="BF16_Optimizer"):
         check_zero_optimizer(_fake_optimizer("BF16_Optimizer", coalescing=False), 1, "per_micro_batch",
                              has_coalescing=True)  # fmt: skip
+
+
+def test_trainer_methods_replaced_by_another_library_are_named(monkeypatch, helpers, caplog):
+    """unsloth replaces `Trainer.compute_loss` / `training_step` / `get_batch_samples` at class level on a GPU:
+    hf_gradacc composes (its own methods run) and names what was replaced, once per construction."""
+    from hf_gradacc.compat import replaced_trainer_methods
+
+    assert replaced_trainer_methods() == {}
+    namespace: dict = {}
+    exec("def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):\n    raise AssertionError",
+         {"__name__": "unsloth_zoo.patching"}, namespace)  # fmt: skip
+    monkeypatch.setattr(Trainer, "compute_loss", namespace["compute_loss"])
+    assert replaced_trainer_methods() == {"compute_loss": "unsloth_zoo.patching"}
+    kwargs = _trainer_kwargs()
+    kwargs["args"] = helpers.make_args(max_steps=1)
+    with caplog.at_level("WARNING", logger="hf_gradacc"):
+        trainer = GradAccTrainer(**kwargs)
+    assert "Trainer.compute_loss (now from unsloth_zoo.patching)" in caplog.text
+    trainer.train()  # hf_gradacc's own compute_loss runs, never the replaced one
+    assert trainer.state.global_step == 1
