@@ -189,3 +189,33 @@ class CollectiveCounter:
 
         for fn_name, original in self._originals.items():
             setattr(dist, fn_name, original)
+
+
+def run_named_cases(cases: dict[str, Any], description: str | None) -> NoReturn:
+    """``--cases a,b,...`` (default: all of ``cases``), each run in order on this rank and its payload written with
+    :func:`write_result`; a failing case writes its traceback and ends the rank at once (no rank waits in a collective
+    for one that will never join it)."""
+    import argparse
+    import traceback
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cases", default=",".join(cases), help=f"comma-separated, from {sorted(cases)}")
+    names = [n for n in parser.parse_args().cases.split(",") if n]
+    unknown = sorted(set(names) - set(cases))
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; known: {sorted(cases)}")
+    torch.set_num_threads(1)
+    for name in names:
+        try:
+            payload = cases[name]()
+        except BaseException:
+            write_result(name, {"error": traceback.format_exc()})
+            print(f"[rank {rank()}] case {name} failed", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        write_result(name, payload)
+        print(f"[rank {rank()}] case {name} done", flush=True)
+    finish_worker()

@@ -15,18 +15,14 @@ that arrangement.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
-import os
-import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import DDPCommHookCounter, WarningRecorder, finish_worker, rank, world_size, write_result
+from _common import DDPCommHookCounter, WarningRecorder, rank, run_named_cases, world_size
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainerCallback
 
@@ -474,25 +470,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {sorted(CASES)}")
-    names = [n for n in parser.parse_args().cases.split(",") if n]
-    unknown = sorted(set(names) - set(CASES))
-    if unknown:
-        raise SystemExit(f"unknown case(s) {unknown}; known: {sorted(CASES)}")
-    torch.set_num_threads(1)
-    for name in names:
-        try:
-            payload = CASES[name]()
-        except BaseException:
-            write_result(name, {"error": traceback.format_exc()})
-            print(f"[rank {rank()}] case {name} failed", file=sys.stderr, flush=True)
-            traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)  # do not wait in the next collective for a rank that will never join it
-        write_result(name, payload)
-        print(f"[rank {rank()}] case {name} done", flush=True)
-    finish_worker()
+    run_named_cases(CASES, __doc__)
 
 
 if __name__ == "__main__":
