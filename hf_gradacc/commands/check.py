@@ -651,6 +651,13 @@ def _stock_note(stock: Any, tolerance: float, task: str) -> str:
             else "The stock Trainer is exact here too."
         )
     if abs(stock.cosine - 1.0) < 1e-4 and abs(stock.norm_ratio - 1.0) < 0.05:
+        scale = abs(1.0 - stock.norm_ratio)
+        if abs(stock.relative_error - scale) <= 0.1 * stock.relative_error:  # the error is the step's size alone
+            return (
+                f"The stock Trainer's step has the full-batch direction but {stock.norm_ratio:.4f}x its size: it "
+                "divides the step's loss by another count than the step's counted targets (transformers 5.6 does so "
+                "for causal LMs)."
+            )
         return (
             f"The stock Trainer's step is {stock.relative_error:.1e} off the full-batch step (relative): a term of the "
             "loss (e.g. a mixture-of-experts router term) is weighted per micro-batch instead of by its share of the step."

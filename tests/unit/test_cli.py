@@ -389,3 +389,15 @@ def test_check_trainer_without_trl_names_the_extra(monkeypatch, capsys):
     monkeypatch.delattr(hf_gradacc, "trl", raising=False)  # `from .. import trl` would find the module imported before
     assert main(["check", "--trainer", "dpo"]) == 2
     assert 'pip install "hf_gradacc[trl]"' in capsys.readouterr().err
+
+
+def test_the_stock_note_tells_a_wrong_size_from_a_wrong_weighting():
+    """transformers 5.6's stock causal-LM step is only too small (right direction); an MoE step's router term is
+    weighted wrongly (other direction): the report names the cause each time."""
+    from hf_gradacc.commands.check import _stock_note
+    from hf_gradacc.testing.reference import Comparison
+
+    size_only = Comparison(relative_error=1.79e-2, cosine=1.0 - 1e-12, norm_ratio=0.9821)
+    assert "0.9821x its size" in _stock_note(size_only, 1e-5, "causal_lm")
+    weighting = Comparison(relative_error=1.4e-2, cosine=0.99995, norm_ratio=1.001)
+    assert "router term" in _stock_note(weighting, 1e-5, "causal_lm")
