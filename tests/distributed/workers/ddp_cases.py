@@ -333,9 +333,9 @@ def case_comm_hook() -> dict[str, Any]:
     return {"gradacc": gradacc, "calls": counter.calls, "registered_on": counter.registered_on, "ga": GA}
 
 
-def case_moe(family: str, ga: int = GA) -> Callable[[], dict[str, Any]]:
+def case_moe(family: str, ga: int = GA, trainer_class: Callable[..., Any] | None = None) -> Callable[[], dict[str, Any]]:
     """A tiny mixture-of-experts model at accumulation ``ga``, unequal micro-batches: the router term follows the
-    routed-token rule."""
+    routed-token rule. ``trainer_class`` (default SequentialGradAccTrainer) builds the trainer."""
 
     def run() -> dict[str, Any]:
         from hf_gradacc.testing.tiny import build_tiny_moe
@@ -347,7 +347,8 @@ def case_moe(family: str, ga: int = GA) -> Callable[[], dict[str, Any]]:
                              accelerator_config={"even_batches": False})  # no padding of the tail with repeats
         # fmt: skip
         micro_batches: list = []
-        update, trainer = one_step_update(SequentialGradAccTrainer, model, samples, args, micro_batches=micro_batches)
+        update, trainer = one_step_update(trainer_class or SequentialGradAccTrainer, model, samples, args,
+                                          micro_batches=micro_batches)  # fmt: skip
         reference = reference_gradients(model, samples, "causal_lm", PaddingCollator(), micro_batches=micro_batches)
         router = [n for n in reference if n.endswith("mlp.gate.weight")]
         c, r = compare(update, reference), compare({n: update[n] for n in router}, {n: reference[n] for n in router})

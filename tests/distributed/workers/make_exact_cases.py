@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.nn.functional as F
 from _common import run_named_cases
-from ddp_cases import BS, GA, SequentialShardMixin, W, train_and_measure
+from ddp_cases import BS, GA, SequentialShardMixin, W, case_moe, train_and_measure
 from transformers import Trainer
 
 from hf_gradacc import IGNORE_INDEX, GradAccMixin, GradAccTrainer, make_exact
@@ -115,29 +115,9 @@ def case_compute_loss_func() -> dict[str, Any]:
 
 def case_make_exact_moe(family: str) -> Callable[[], dict[str, Any]]:
     """A framework's compute_loss returning a mixture-of-experts model's `outputs.loss` (CE mean + coef x aux), made
-    exact: the router term weighted by routed tokens over both ranks; the last micro-batch of rank 1 is short."""
-
-    def run() -> dict[str, Any]:
-        from hf_gradacc.testing.tiny import build_tiny_moe
-
-        model = build_tiny_moe(family)
-        samples = make_samples("causal_lm", BS * GA * W - 1, seed=5)
-        args = one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=GA, use_cpu=True,
-                             ddp_backend="gloo", ddp_timeout=120, seed=0,
-                             accelerator_config={"even_batches": False})  # fmt: skip
-        micro_batches: list = []
-        update, trainer = one_step_update(made_exact(FrameworkMeanTrainer), model, samples, args,
-                                          micro_batches=micro_batches)  # fmt: skip
-        reference = reference_gradients(model, samples, "causal_lm", PaddingCollator(), micro_batches=micro_batches)
-        router = [n for n in reference if n.endswith("mlp.gate.weight")]
-        c, r = compare(update, reference), compare({n: update[n] for n in router}, {n: reference[n] for n in router})
-        logs = trainer.state.log_history[0]
-        return {"relative_error": c.relative_error, "router_relative_error": r.relative_error,
-                "micro_batch_sizes": [len(mb) for mb in micro_batches], "aux": logs.get("loss/aux"),
-                "main": logs.get("loss/main"), "loss": logs.get("loss"),
-                "model_wrapped": type(trainer.model_wrapped).__name__, "num_processes": trainer.accelerator.num_processes}  # fmt: skip
-
-    return run
+    exact: the router term weighted by routed tokens over both ranks; the last micro-batch of rank 1 is short (the
+    measurement of ddp_cases.case_moe, with the trainer made exact after construction)."""
+    return case_moe(family, trainer_class=made_exact(FrameworkMeanTrainer))
 
 
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
