@@ -3,7 +3,8 @@
 Reads ``RUN_DIR/trainer_state.json`` (written by ``trainer.save_state()``), or the newest complete
 ``RUN_DIR/checkpoint-*/trainer_state.json`` when the run folder has none, and draws one panel per logged quantity
 that the run has: loss (and eval loss), grad norm, learning rate, tokens per second, padding ratio and effective
-batch (the last three logged by :class:`~hf_gradacc.callbacks.TokenStatsCallback`).
+batch (the last three logged by :class:`~hf_gradacc.callbacks.TokenStatsCallback`), and the gradient noise scale
+beside the step's batch (logged by :class:`~hf_gradacc.callbacks.GradientNoiseScaleCallback`).
 
 Example:
     ```bash
@@ -35,7 +36,11 @@ PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("padding ratio", ("tokens/padding_ratio",), "1 - real / computed tokens"),
     ("effective batch", ("effective_batch_size",), "samples per optimizer step"),
     ("accumulation", ("accumulation_steps",), "micro-batches per rank per step"),  # an accumulation schedule
+    # GradientNoiseScaleCallback: B_simple beside the batch B of the step, both in the loss's items
+    ("gradient noise scale", ("gns", "gns/batch_size"), "items (samples or tokens)"),
 )
+# Keys without which a panel says nothing: the batch size alone is no noise scale.
+_PANEL_NEEDS: dict[str, str] = {"gradient noise scale": "gns"}
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -51,11 +56,13 @@ def plot_command_parser(subparsers: Any) -> argparse.ArgumentParser:
     """
     plot = subparsers.add_parser(
         "plot",
-        help="draw a run's loss, grad norm, learning rate, tokens/s, padding ratio and effective batch to a PNG",
+        help="draw a run's loss, grad norm, learning rate, tokens/s, padding ratio, effective batch and gradient noise "
+        "scale to a PNG",
         description=(
             "Read RUN_DIR/trainer_state.json (or the newest complete RUN_DIR/checkpoint-*/trainer_state.json) and "
             "draw one panel per logged quantity the run has: loss (and eval loss), grad norm, learning rate, tokens "
-            "per second, padding ratio, effective batch (the last three come from TokenStatsCallback). Needs "
+            "per second, padding ratio, effective batch (these three come from TokenStatsCallback), and the gradient "
+            "noise scale `gns` beside the step's batch `gns/batch_size` (GradientNoiseScaleCallback). Needs "
             "matplotlib (pip install hf_gradacc[plot])."
         ),
     )
@@ -130,7 +137,7 @@ def plot_run(state_path: str, output: str, *, title: str | None = None) -> list[
         raise GradAccConfigError(f"cannot read the log history of {state_path!r}: {exc}") from None
     series = {key: _series(history, key) for _, keys, _ in PANELS for key in keys}
     panels = [(name, [k for k in keys if series[k][0]], ylabel) for name, keys, ylabel in PANELS]
-    panels = [p for p in panels if p[1]]
+    panels = [p for p in panels if p[1] and _PANEL_NEEDS.get(p[0], p[1][0]) in p[1]]
     if not panels:
         raise GradAccConfigError(
             f"{state_path!r} holds no logged training metric to plot (its log_history has none of "

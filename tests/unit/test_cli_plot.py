@@ -1,4 +1,5 @@
-"""`hf-gradacc plot RUN_DIR`: the curves of a real tiny run, and clear usage errors (exit 2)."""
+"""`hf-gradacc plot RUN_DIR`: the curves of a real tiny run (with TokenStatsCallback and GradientNoiseScaleCallback),
+and clear usage errors (exit 2)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
-from hf_gradacc.callbacks import TokenStatsCallback
+from hf_gradacc.callbacks import GradientNoiseScaleCallback, TokenStatsCallback
 from hf_gradacc.commands.hf_gradacc_cli import main
 from hf_gradacc.commands.plot import find_trainer_state, plot_run
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
@@ -19,7 +20,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny causal-LM run saved every 3 steps (checkpoint-3, checkpoint-6), logged with TokenStatsCallback."""
+    """A tiny causal-LM run saved every 3 steps (checkpoint-3, checkpoint-6), logged with TokenStatsCallback and
+    GradientNoiseScaleCallback."""
     out = tmp_path_factory.mktemp("run")
     args = GradAccConfig(
         output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=4, max_steps=6,
@@ -29,7 +31,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     trainer = GradAccTrainer(
         model=build_tiny_model("causal_lm"), args=args, data_collator=PaddingCollator(),
         train_dataset=ListDataset(make_samples("causal_lm", 48, seed=2)),
-        eval_dataset=ListDataset(make_samples("causal_lm", 4, seed=3)), callbacks=[TokenStatsCallback()],
+        eval_dataset=ListDataset(make_samples("causal_lm", 4, seed=3)), callbacks=[TokenStatsCallback(), GradientNoiseScaleCallback()],
     )  # fmt: skip
     trainer.train()
     return out
@@ -44,7 +46,25 @@ def test_plot_a_run_dir_through_its_newest_checkpoint(run_dir: Path, capsys) -> 
     assert image.read_bytes()[:8] == PNG_MAGIC and image.stat().st_size > 10_000
     for panel in ("loss", "grad norm", "learning rate", "throughput", "padding ratio", "effective batch"):
         assert panel in out, out
+    assert "gradient noise scale" in out, out
     assert "checkpoint-6" in out
+
+
+def test_plot_draws_the_noise_scale_beside_the_batch(run_dir: Path, tmp_path: Path) -> None:
+    """The panel holds `gns` and the step's batch `gns/batch_size`; the batch alone (while the smoothed |G|^2 is not
+    positive, the callback logs no `gns`) draws no noise-scale panel."""
+    from hf_gradacc.commands import plot
+
+    state_path = find_trainer_state(str(run_dir))
+    history = json.loads(Path(state_path).read_text())["log_history"]
+    assert any("gns" in h for h in history)  # the fixture's run logged it
+    steps, values = plot._series(history, "gns")
+    assert steps and all(v > 0 for v in values)
+    assert "gradient noise scale" in plot_run(state_path, str(tmp_path / "all.png"))
+
+    batch_only = [{k: v for k, v in h.items() if k != "gns"} for h in history]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": batch_only}))
+    assert "gradient noise scale" not in plot_run(str(tmp_path / "trainer_state.json"), str(tmp_path / "x.png"))
 
 
 def test_plot_draws_only_the_panels_the_run_logged(run_dir: Path, tmp_path: Path) -> None:
