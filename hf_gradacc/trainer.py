@@ -2,9 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from transformers import Seq2SeqTrainer, Trainer
 
 from .mixin import GradAccMixin
+
+if TYPE_CHECKING:
+    import datasets
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset, IterableDataset
+    from transformers import (
+        BaseImageProcessor,
+        EvalPrediction,
+        FeatureExtractionMixin,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        ProcessorMixin,
+        TrainerCallback,
+        TrainingArguments,
+    )
+    from transformers.data.data_collator import DataCollator
+
+    from .config import GradAccArguments
+
+    _TrainData = Dataset | IterableDataset | datasets.Dataset
+    _Processor = PreTrainedTokenizerBase | BaseImageProcessor | FeatureExtractionMixin | ProcessorMixin
+    _Optimizers = tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None]
 
 
 class GradAccTrainer(GradAccMixin, Trainer):
@@ -26,6 +52,43 @@ class GradAccTrainer(GradAccMixin, Trainer):
         ```
     """
 
+    def __init__(
+        self,
+        model: PreTrainedModel | nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        data_collator: DataCollator | None = None,
+        train_dataset: _TrainData | None = None,
+        eval_dataset: _TrainData | dict[str, _TrainData] | None = None,
+        processing_class: _Processor | None = None,
+        model_init: Callable[..., PreTrainedModel] | None = None,
+        compute_loss_func: Callable[..., Any] | None = None,
+        compute_metrics: Callable[[EvalPrediction], dict[str, Any]] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: _Optimizers = (None, None),
+        optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        *,
+        gradacc_args: GradAccArguments | dict[str, Any] | None = None,
+    ) -> None:
+        """`Trainer.__init__`'s parameters, in its order, plus the keyword ``gradacc_args``: the
+        :class:`~hf_gradacc.GradAccArguments` (or a dict of them) when ``args`` is not a GradAcc config."""
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            model_init=model_init,
+            compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            gradacc_args=gradacc_args,
+        )
+
 
 class GradAccSeq2SeqTrainer(GradAccMixin, Seq2SeqTrainer):
     """`Seq2SeqTrainer` with exact accumulation: training as :class:`GradAccTrainer`, evaluation as
@@ -45,3 +108,38 @@ class GradAccSeq2SeqTrainer(GradAccMixin, Seq2SeqTrainer):
         print(trainer.evaluate(max_new_tokens=32))
         ```
     """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        data_collator: DataCollator | None = None,
+        train_dataset: _TrainData | None = None,
+        eval_dataset: _TrainData | dict[str, _TrainData] | None = None,
+        processing_class: _Processor | None = None,
+        model_init: Callable[..., PreTrainedModel] | None = None,
+        compute_loss_func: Callable[..., Any] | None = None,
+        compute_metrics: Callable[[EvalPrediction], dict[str, Any]] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: _Optimizers = (None, None),
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        *,
+        gradacc_args: GradAccArguments | dict[str, Any] | None = None,
+    ) -> None:
+        """`Seq2SeqTrainer.__init__`'s parameters, in its order, plus the keyword ``gradacc_args``: the
+        :class:`~hf_gradacc.GradAccArguments` (or a dict of them) when ``args`` is not a GradAcc config."""
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            model_init=model_init,
+            compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            gradacc_args=gradacc_args,
+        )

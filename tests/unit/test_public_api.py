@@ -58,3 +58,39 @@ def test_every_knob_is_in_the_api_table() -> None:
     table = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
     missing = [name for name in GRADACC_FIELDS if f"| `{name}` |" not in table]
     assert not missing, f"add rows for {missing} to docs/api.md"
+
+
+@pytest.mark.parametrize(("name", "base"), [("GradAccTrainer", "Trainer"), ("GradAccSeq2SeqTrainer", "Seq2SeqTrainer")])
+def test_trainer_signature_is_the_stock_one_plus_gradacc_args(name: str, base: str) -> None:
+    """IDEs and `inspect` see the stock constructor's parameters, in its order (so positional calls still work),
+    plus the keyword-only ``gradacc_args``; a parameter transformers adds or renames fails here."""
+    import inspect
+
+    import transformers
+
+    ours = inspect.signature(getattr(hf_gradacc, name).__init__).parameters
+    stock = inspect.signature(getattr(transformers, base).__init__).parameters
+    assert list(ours)[:-1] == list(stock)
+    assert [p.default for n, p in ours.items() if n != "gradacc_args"] == [p.default for p in stock.values()]
+    assert ours["gradacc_args"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert ours["gradacc_args"].default is None
+
+
+def test_trainer_takes_its_arguments_positionally_and_by_keyword(tmp_path) -> None:
+    from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+
+    model = build_tiny_model("causal_lm")
+    args = hf_gradacc.GradAccConfig(output_dir=str(tmp_path), report_to="none")
+    data = ListDataset(make_samples("causal_lm", 4))
+    trainer = hf_gradacc.GradAccTrainer(model, args, PaddingCollator(), data, gradacc_args=None)
+    assert trainer.model is model and trainer.train_dataset is data
+    plain = transformers_args(tmp_path)
+    trainer = hf_gradacc.GradAccTrainer(model=model, args=plain, train_dataset=data, data_collator=PaddingCollator(),
+                                        gradacc_args={"regroup_micro_batches": True})  # fmt: skip
+    assert trainer.gradacc.regroup_micro_batches is True
+
+
+def transformers_args(tmp_path):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path), report_to="none")
