@@ -60,7 +60,9 @@ def test_every_knob_is_in_the_api_table() -> None:
     assert not missing, f"add rows for {missing} to docs/api.md"
 
 
-@pytest.mark.parametrize(("name", "base"), [("GradAccTrainer", "Trainer"), ("GradAccSeq2SeqTrainer", "Seq2SeqTrainer")])
+@pytest.mark.parametrize(
+    ("name", "base"), [("GradAccTrainer", "Trainer"), ("GradAccSeq2SeqTrainer", "Seq2SeqTrainer")]
+)
 def test_trainer_signature_is_the_stock_one_plus_gradacc_args(name: str, base: str) -> None:
     """IDEs and `inspect` see the stock constructor's parameters, in its order (so positional calls still work),
     plus the keyword-only ``gradacc_args``; a parameter transformers adds or renames fails here."""
