@@ -103,18 +103,18 @@ TRAINER_MEMBERS: tuple[PrivateMember, ...] = (
 # TRL's trainers, by the hf_gradacc.trl class that relies on them.
 TRL_MEMBERS: tuple[PrivateMember, ...] = (
     PrivateMember(owner="trl.SFTTrainer", name="_is_vision_dataset", kind="attribute",
-                  used_by="trl.py: packing refused for vision data"),
+                  used_by="trl/sft.py: packing refused for vision data"),
     PrivateMember(owner="trl.GRPOTrainer", name="_prepare_inputs", kind="override",
-                  used_by="trl.py: generation while the step's micro-batches are fetched", params=("generation_batch",)),
+                  used_by="trl/grpo.py: generation while the step's micro-batches are fetched", params=("generation_batch",)),
     PrivateMember(owner="trl.GRPOTrainer", name="_step", kind="attribute",
-                  used_by="trl.py: TRL's micro-batch counter, advanced as TRL's training_step would"),
-    PrivateMember(owner="trl.GRPOTrainer", name="_metrics", kind="attribute", used_by="trl.py: step_time metric"),
+                  used_by="trl/grpo.py: TRL's micro-batch counter, advanced as TRL's training_step would"),
+    PrivateMember(owner="trl.GRPOTrainer", name="_metrics", kind="attribute", used_by="trl/grpo.py: step_time metric"),
     PrivateMember(owner="trl.GRPOTrainer", name="_current_train_step_time", kind="attribute",
-                  used_by="trl.py: step_time metric"),
+                  used_by="trl/grpo.py: step_time metric"),
     PrivateMember(owner="trl.GRPOTrainer", name="_entropy_bonus_enabled", kind="attribute",
-                  used_by="trl.py: the entropy bonus kept as its own term"),
+                  used_by="trl/grpo.py: the entropy bonus kept as its own term"),
     PrivateMember(owner="trl.GRPOTrainer", name="_last_world_entropy", kind="attribute",
-                  used_by="trl.py: the entropy coefficient a step used (adaptive entropy)"),
+                  used_by="trl/grpo.py: the entropy coefficient a step used (adaptive entropy)"),
 )  # fmt: skip
 
 # accelerate: the sync flag the Trainer and accelerate's optimizer wrapper read, and what the opt-in CPU patches touch.

@@ -47,7 +47,7 @@ OWN_NAMES = {
     "_check": "grads.py: GradAccess._check, its own guard",
     "_load_model": "commands/check.py: its own loader function",
     "_log": "callbacks/token_stats.py: the callback's own method",
-    "_model": "trl.py: _ForwardRecorder._model, the wrapped model",
+    "_model": "trl/_common.py: ForwardRecorder._model, the wrapped model",
     "_pending": "callbacks and testing recorders: their own buffers",
 }
 

@@ -157,3 +157,17 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path:
     assert _imports(second, top_level_only=True, root=tmp_path) == {"hf_gradacc.first"}
     graph = {"hf_gradacc.first": {"hf_gradacc.second"}, "hf_gradacc.second": {"hf_gradacc.first"}}
     assert _find_cycle(graph) == ["hf_gradacc.first", "hf_gradacc.second", "hf_gradacc.first"]
+
+
+def test_the_trl_trainers_import_only_what_they_share() -> None:
+    """hf_gradacc.trl is one module per trainer plus ``_common``: a trainer module never imports another trainer's
+    module, and no submodule imports the package itself (its ``__init__`` imports them, after the TRL check, so an
+    import back would read a package still being initialised; the cycle check above skips package -> submodule
+    edges and would not see it)."""
+    trl_modules = {n for n in MODULES if n.startswith("hf_gradacc.trl.")}
+    assert {"hf_gradacc.trl._common", "hf_gradacc.trl.sft", "hf_gradacc.trl.grpo"} <= trl_modules
+    trainers = trl_modules - {"hf_gradacc.trl._common"}
+    for name in trl_modules:
+        imported = {i for i in _imports(MODULES[name], top_level_only=False) if i in MODULES}
+        assert "hf_gradacc.trl" not in imported, f"{name} imports its own package hf_gradacc.trl"
+        assert not (imported & (trainers - {name})), f"{name} imports {sorted(imported & (trainers - {name}))}"

@@ -144,7 +144,7 @@ def test_configs_parse_both_field_sets_from_the_command_line(tmp_path) -> None:
     (args,) = HfArgumentParser(GradAccDPOConfig).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--use_cpu", "true", "--beta", "0.25", "--loss_type", "ipo", "--nonfinite_steps",
          "raise"]
-    )
+    )  # fmt: skip
     assert isinstance(args, DPOConfig) and args.beta == 0.25 and args.loss_type == ["ipo"]
     assert args.nonfinite_steps == "raise"
     for config_class, trl_class in ((GradAccSFTConfig, SFTConfig), (GradAccRewardConfig, RewardConfig)):
@@ -191,9 +191,7 @@ def test_the_mixin_drives_the_step_and_activation_offloading_wraps_forward_and_b
     assert every_parameter_moved(update)
 
 
-@pytest.mark.parametrize(
-    ("knob", "value"), [("auto_micro_batch", True), ("defer_normalization", True)]
-)
+@pytest.mark.parametrize(("knob", "value"), [("auto_micro_batch", True), ("defer_normalization", True)])
 def test_modes_with_uneven_micro_batches_are_refused(tmp_path, knob: str, value: Any) -> None:
     args = one_step_args(str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=4,
                          args_class=GradAccSFTConfig, bf16=False, **{knob: value})  # fmt: skip
@@ -208,17 +206,17 @@ def test_a_step_with_more_micro_batches_on_one_process_stops_every_process() -> 
     from types import SimpleNamespace
 
     from hf_gradacc import GradAccDataError
-    from hf_gradacc.trl import _training_window
+    from hf_gradacc.trl._common import training_window
     from hf_gradacc.window import MicroBatchCounts, Window, WindowCounts
 
     counts = WindowCounts(micro_batches=(MicroBatchCounts(num_tokens=3, num_samples=1),) * 4, global_tokens=21,
                           global_samples=7, num_micro_batches_per_rank=(4, 3))  # fmt: skip
     window = Window(micro_batches=[{}] * 4, counts=counts, dp_world_size=2, index=0)
     with pytest.raises(GradAccDataError, match=r"\[4, 3\]"):
-        _training_window(SimpleNamespace(current_window=window))
+        training_window(SimpleNamespace(current_window=window))
     even = Window(micro_batches=[{}] * 4, counts=replace(counts, num_micro_batches_per_rank=(4, 4)), index=0)
-    assert _training_window(SimpleNamespace(current_window=even)) is even
-    assert _training_window(SimpleNamespace(current_window=None)) is None
+    assert training_window(SimpleNamespace(current_window=even)) is even
+    assert training_window(SimpleNamespace(current_window=None)) is None
 
 
 # ---------------------------------------------------------------------------------------------- SFT

@@ -194,7 +194,7 @@ def test_processes_with_different_numbers_of_micro_batches_stop_before_generatin
     from types import SimpleNamespace
 
     from hf_gradacc import GradAccDataError
-    from hf_gradacc.trl import _agree_on_micro_batches
+    from hf_gradacc.trl.grpo import _agree_on_micro_batches
 
     def trainer(per_rank):
         gather = lambda local: torch.tensor(per_rank)  # noqa: E731 - every rank's count, as all_gather returns them
@@ -210,7 +210,7 @@ def test_the_window_counts_exactly_the_completion_tokens_of_the_loss() -> None:
     """The ``labels`` handed to the window mark the loss mask (``completion_mask x tool_mask``): the causal count (after
     its shift) is the mask's sum, every row a sequence, and the attention mask is the forward pass's."""
     from hf_gradacc.heads import Head
-    from hf_gradacc.trl import _with_completion_labels
+    from hf_gradacc.trl.grpo import _with_completion_labels
 
     inputs = {
         "prompt_ids": torch.tensor([[0, 5, 6], [4, 4, 7]]),
@@ -288,7 +288,9 @@ def test_entropy_bonus_is_a_mean_over_the_step_completion_tokens(tmp_path, loss_
     stock, stock_trainer = grpo_run(GRPOTrainer, GRPOConfig, tmp_path / "stock", model=model, loss_type=loss_type,
                                     steps_per_generation=spg, entropy_coef=coef)  # fmt: skip
     error = compare(stock, reference_of(model, stock_trainer, loss_type=loss_type, entropy_coef=coef).grads)
-    print(f"stock GRPOTrainer, {loss_type} + entropy bonus {coef}, spg {spg}: relative error {error.relative_error:.3g}")
+    print(
+        f"stock GRPOTrainer, {loss_type} + entropy bonus {coef}, spg {spg}: relative error {error.relative_error:.3g}"
+    )
     assert error.relative_error > 1e-3, error  # TRL: the micro-batch's token mean of the entropy / GA
 
 

@@ -1,0 +1,220 @@
+"""What hf_gradacc's TRL trainers share: the TRL releases their branches depend on, the checks every trainer runs at
+construction, the regrouping of preference pairs, and the pieces of a training micro-batch's loss (its window, the
+recorded policy forward, the router term).
+
+TRL gathers its metrics across ranks INSIDE ``compute_loss``, once per micro-batch (``entropy``,
+``mean_token_accuracy``, rewards, ...): every rank must run the same micro-batches, row for row.
+:func:`refuse_uneven_micro_batches` refuses at construction the modes in which ranks may run different numbers (or
+sizes) of micro-batches, and :func:`training_window` stops every rank before TRL's first gather in a step in which
+the ranks hold different numbers of micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..compat import installed_version, trl_at_least
+from ..config import GradAccArguments, resolve_settings
+from ..data.loader import build_train_dataloader, check_train_dataset
+from ..errors import GradAccConfigError, GradAccDataError
+from ..loss import LossTerm
+from ..mixin import GradAccMixin
+
+# What hf_gradacc's trainers read from TRL, by the first release that has it (docs/compatibility.md, "What depends on
+# the version"). Older releases in the supported range take the other branch where it exists, or are refused at
+# construction naming the feature (:func:`refuse_before`).
+# TRL's fused LM head (`model(..., fused_lm_head=True)`: per-token log-probabilities and entropies, no full logits) in
+# SFT, DPO and GRPO. Before it, SFT's default `chunked_nll` patches the model's forward, whose loss holds the router
+# term; DPO reads the full logits; GRPO computes entropies from the logits inside TRL.
+TRL_FUSED_LM_HEAD = "1.15"
+# GRPO: `dapo` / `cispo` / `vespo` divided by the generation batch's tokens rescaled to one accumulation window, the
+# entropy bonus a token mean / GA for every loss type, `luspo` masked before its per-sequence sum. Before it (1.9) the
+# generation batch's tokens are not rescaled and `luspo` with token-level importance sampling sums padded positions.
+TRL_GRPO_STEP_NORMALISED = "1.10"
+
+
+def refuse_before(version: str, feature: str, why: str, way_out: str) -> None:
+    """Raise :class:`~hf_gradacc.GradAccConfigError` when the installed TRL is older than ``version``: ``feature``
+    (the setting, by its field) cannot be made exact there."""
+    if not trl_at_least(version):
+        raise GradAccConfigError(
+            f"{feature} needs trl>={version} with hf_gradacc (installed {installed_version('trl')}): {why}. "
+            f"{way_out}, or upgrade TRL (pip install 'trl>={version},<2')."
+        )
+
+
+# ---------------------------------------------------------------------------------------------- shared pieces
+def check_args_class(args: Any, trl_config: type, ours: type) -> None:
+    """TRL converts a `TrainingArguments` that is not its own config with ``to_dict()``, which the GradAcc fields do
+    not survive: name the config class to use instead."""
+    if isinstance(args, GradAccArguments) and not isinstance(args, trl_config):
+        raise GradAccConfigError(
+            f"`args` is a {type(args).__name__}, which TRL would rebuild as a {trl_config.__name__} without the "
+            f"hf_gradacc fields. Use hf_gradacc.trl.{ours.__name__} (a {trl_config.__name__} with the knobs), or a "
+            f"{trl_config.__name__} with `gradacc_args=`."
+        )
+
+
+def refuse_uneven_micro_batches(trainer: GradAccMixin, *, rows_gathered: bool) -> None:
+    """TRL gathers its metrics across ranks inside ``compute_loss``, once per micro-batch; DPO and the reward trainer
+    also gather per-row tensors. Refuse the modes in which ranks may run different numbers of micro-batches (a gather
+    would wait forever for a rank that has none left) or micro-batches of different sizes (``rows_gathered``)."""
+    settings, name = trainer.gradacc, type(trainer).__name__
+    why = (
+        "TRL gathers its logged metrics across processes inside `compute_loss`, once per micro-batch, so every process "
+        "must run the same micro-batches"
+    )
+    if settings.auto_micro_batch:
+        raise GradAccConfigError(
+            f"`auto_micro_batch=True` is not supported by {name}: {why}, and after an out-of-memory error the processes "
+            "split their micro-batches independently. Turn `auto_micro_batch` off."
+        )
+    if settings.defer_normalization:
+        raise GradAccConfigError(
+            f"`defer_normalization=True` is not supported by {name}: {why}, and streamed optimizer steps may hold "
+            "different numbers of micro-batches per process. Turn `defer_normalization` off."
+        )
+    if rows_gathered and settings.regroups and trainer.accelerator.num_processes > 1:
+        raise GradAccConfigError(
+            f"`regroup_micro_batches` / `max_tokens_per_micro_batch` is not supported by {name} on several processes: "
+            f"{why} with the same number of pairs (per-pair rewards and log-probabilities are gathered), and "
+            "regrouping gives the processes micro-batches of different sizes. Turn regrouping off."
+        )
+
+
+def planned_train_dataloader(trainer: GradAccMixin, **planning: Any) -> Any:
+    """The regrouping / packing training dataloader built with the trainer's own ``planning`` inputs (see
+    :func:`~hf_gradacc.data.loader.build_train_dataloader`), or None where the mixin's stock path applies."""
+    if not trainer.gradacc.regroups:
+        return None
+    check_train_dataset(trainer.train_dataset)
+    return build_train_dataloader(trainer, trainer.gradacc, **planning)
+
+
+def refuse_packed_pairs(name: str, args: Any, gradacc_args: Any) -> None:
+    """Preference batches cannot be packed; refused before TRL builds anything (a reward model would otherwise fail
+    the causal-LM check of packing first, without the reason that matters here)."""
+    if args is not None and not isinstance(args, GradAccArguments):
+        args = None  # TRL's own config: the knobs come from `gradacc_args` only
+    if resolve_settings(args, gradacc_args).pack_micro_batches:
+        raise GradAccConfigError(
+            f"`pack_micro_batches=True` is not supported by {name}: a preference micro-batch is its pairs' chosen "
+            "rows followed by their rejected rows, which TRL's loss splits in halves and compares row by row, and a "
+            "packed micro-batch is ONE row of concatenated samples. Turn `pack_micro_batches` off; "
+            "`regroup_micro_batches` / `max_tokens_per_micro_batch` keep every pair whole (one process)."
+        )
+
+
+def _column(dataset: Any, name: str, trainer_name: str) -> list[Any]:
+    """One column of a map-style training dataset (a `datasets.Dataset` or any dataset of dicts)."""
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, list):
+        if name in columns:
+            return list(dataset[name])
+    else:
+        samples = [dataset[i] for i in range(len(dataset))]
+        if all(isinstance(s, Mapping) and name in s for s in samples):
+            return [s[name] for s in samples]
+    raise GradAccConfigError(
+        f"`regroup_micro_batches` / `max_tokens_per_micro_batch` with {trainer_name} plan micro-batches from each "
+        f"pair's tokenized lengths, but the training dataset has no `{name}` column (TRL writes it when it tokenizes "
+        "the dataset; vision datasets are tokenized per batch). Turn regrouping off."
+    )
+
+
+def pair_lengths(trainer: GradAccMixin, dataset: Any, *, prompt: str | None, max_length: int | None) -> list[int]:
+    """The padded footprint of every preference pair for the planner: TRL pads the chosen AND rejected rows of a
+    micro-batch to its longest sequence, so a micro-batch of P pairs computes ``2 P x longest`` token positions. Each
+    pair counts as ``2 x`` its longer sequence (``prompt`` ids + completion ids, cut at ``max_length``), so the
+    planner's rows x longest row is exactly the micro-batch's padded tokens, and ``max_tokens_per_micro_batch`` caps
+    what the forward pass computes."""
+    name = type(trainer).__name__
+    prompts = _column(dataset, prompt, name) if prompt else None
+    chosen, rejected = _column(dataset, "chosen_ids", name), _column(dataset, "rejected_ids", name)
+    lengths = []
+    for index, (c, r) in enumerate(zip(chosen, rejected, strict=True)):
+        extra = len(prompts[index]) if prompts is not None else 0
+        longest = max(extra + len(c), extra + len(r))
+        lengths.append(2 * (longest if max_length is None else min(longest, max_length)))
+    budget = trainer.gradacc.max_tokens_per_micro_batch
+    if budget is not None and lengths:
+        widest = max(range(len(lengths)), key=lambda i: (lengths[i], -i))
+        if lengths[widest] > budget:
+            raise GradAccConfigError(
+                f"Preference pair {widest} needs {lengths[widest]} padded tokens in any micro-batch (its chosen and "
+                f"rejected rows, {lengths[widest] // 2} tokens each), more than `max_tokens_per_micro_batch` "
+                f"({budget}). Raise `max_tokens_per_micro_batch` to at least {lengths[widest]} or shorten the data "
+                "(`max_length`)."
+            )
+    return lengths
+
+
+class ForwardRecorder:
+    """Stands for the model inside TRL's ``compute_loss`` and keeps the outputs of the policy's forward pass, for the
+    router term: the first one that uses the fused LM head (TRL >= 1.15), or the first one at all (older TRL, whose
+    SFT and DPO losses run the policy through this model once, and the reference elsewhere). Everything else is the
+    model's."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._fused = trl_at_least(TRL_FUSED_LM_HEAD)
+        self.outputs: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        outputs = self._model(*args, **kwargs)
+        if self.outputs is None and (kwargs.get("fused_lm_head") or not self._fused):
+            self.outputs = outputs
+        return outputs
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_model":  # not set yet (a copy in the making): no recursion
+            raise AttributeError(name)
+        return getattr(self._model, name)
+
+
+def training_window(trainer: GradAccMixin) -> Any:
+    """The window of the micro-batch running now, or None (evaluation, prediction).
+
+    Every process must run as many micro-batches as the others (TRL gathers inside ``compute_loss``): a step in which
+    they differ (an IterableDataset that runs out sooner on one process) stops every process here, from the counts
+    they all gathered, instead of leaving one waiting in TRL's gather."""
+    window = trainer.current_window
+    if window is None or window.index is None:
+        return None
+    per_rank = window.counts.num_micro_batches_per_rank
+    if len(set(per_rank)) > 1:
+        raise GradAccDataError(
+            f"The processes hold different numbers of micro-batches in this optimizer step ({list(per_rank)}). "
+            f"{type(trainer).__name__} runs TRL's compute_loss, which gathers its metrics across processes once per "
+            "micro-batch, so a process with more micro-batches would wait forever. Use a map-style dataset (accelerate "
+            "gives every process the same number of batches) or an IterableDataset that yields as many batches on "
+            "every process."
+        )
+    return window
+
+
+def router_term(trainer: Any, recorder: ForwardRecorder | None, window: Any) -> tuple[torch.Tensor, LossTerm] | None:
+    """``(what TRL added to its loss, the exact term)`` for the router load-balancing loss of the policy forward, or
+    None when the trainer has none. The exact term weights ``coef x aux`` by the micro-batch's routed tokens
+    (``"input_tokens"``), the rule of :mod:`hf_gradacc.auxiliary`."""
+    if recorder is None or not trainer.aux_loss_enabled:
+        return None
+    aux = getattr(recorder.outputs, "aux_loss", None)
+    if not torch.is_tensor(aux):
+        return None
+    coef = getattr(trainer, "router_aux_loss_coef", None)  # TRL < 1.15's SFTTrainer keeps it in its args only
+    weighted = (trainer.args.router_aux_loss_coef if coef is None else coef) * aux.reshape(())
+    routed = window.current_counts.num_input_tokens
+    return weighted, LossTerm(total=weighted * routed, normalize_by="input_tokens")
+
+
+def with_outputs(result: Any, return_outputs: bool, outputs: Any) -> Any:
+    return (result, outputs) if return_outputs else result
+
+
+def split_outputs(out: Any, return_outputs: bool) -> tuple[torch.Tensor, Any]:
+    return (out[0], out[1]) if return_outputs else (out, None)
