@@ -12,7 +12,7 @@ import torch.nn as nn
 from transformers.utils import logging
 
 from .auxiliary import model_aux_terms
-from .checks import OK, check_builtin
+from .checks import LossCheck, agree, check_builtin
 from .errors import GradAccConfigError, GradAccDataError, GradAccLossError
 from .fused_head import fused_causal_lm_sum, fused_row_check, fused_support_problem
 from .heads import Head, input_token_count, unwrap_model
@@ -72,7 +72,11 @@ def builtin_loss(
             f"The batch has no `{LABEL_KEY}` (keys: {sorted(inputs)}); GradAccTrainer computes the loss from the "
             "labels. Have the data collator return `labels`, or override `compute_loss` and return a LossTerm."
         )
-    if head.type == "seq2seq" and labels is not None and not {"decoder_input_ids", "decoder_inputs_embeds"} & set(inputs):
+    if (
+        head.type == "seq2seq"
+        and labels is not None
+        and not {"decoder_input_ids", "decoder_inputs_embeds"} & set(inputs)
+    ):
         base = unwrap_model(model)
         if hasattr(base, "prepare_decoder_input_ids_from_labels"):
             inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
@@ -92,10 +96,14 @@ def builtin_loss(
         except Exception as error:  # noqa: BLE001
             if is_out_of_memory(error):
                 raise  # auto_micro_batch's business, not the check's
-            logger.warning_once(f"The start-up loss check is skipped: the model cannot compute its own loss ({error}).")
+            logger.warning_once(
+                f"The start-up loss check is skipped: the model cannot compute its own loss ({error})."
+            )
     if outputs is None:
         outputs = model(**inputs)
-    terms = {MAIN_TERM: LossTerm(total=head.sum_loss(logits_of(outputs), labels, shift_labels), normalize_by=denominator)}
+    terms = {
+        MAIN_TERM: LossTerm(total=head.sum_loss(logits_of(outputs), labels, shift_labels), normalize_by=denominator)
+    }
     terms.update(model_aux_terms(model, outputs, input_token_count(inputs)))
     return terms, outputs
 
@@ -116,14 +124,26 @@ def _fused_loss(
     ignore = head.ignore_index
     targets = (shift_labels if shift_labels is not None else causal_targets(labels.long(), ignore)).long()
     result = fused_causal_lm_sum(model, inputs, targets, ignore_index=ignore)
-    if check:  # one process only for now (fused_support_problem): the verdict needs no agreement across ranks
+    if check:  # every rank runs it (its forwards gather sharded weights) and every rank stops if one rank's fails
         pair = fused_row_check(model, inputs, targets, labels=labels, shift_labels=shift_labels, ignore_index=ignore)
-        verdict = check_builtin(pair[0], torch.tensor(pair[1])) if pair is not None else None
-        if verdict is not None and verdict.code != OK:
-            raise GradAccLossError(f"{verdict.message(0)} (fused_lm_head: compared on the first row with a target)")
+        verdict = check_builtin(pair[0], torch.tensor(pair[1])) if pair is not None else LossCheck()
+        try:
+            agree(verdict, _all_gather_rows, targets.device)
+        except GradAccLossError as error:
+            raise GradAccLossError(f"{error} (fused_lm_head: compared on the first row with a target)") from None
     terms = {MAIN_TERM: LossTerm(total=result.sum_loss, normalize_by=denominator)}
     terms.update(model_aux_terms(model, result.backbone, input_token_count(inputs)))
     return terms, result.backbone
+
+
+def _all_gather_rows(row: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``row`` stacked (one collective), or ``row`` itself on one process."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return row[None]
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    return torch.stack(rows)
 
 
 @contextlib.contextmanager

@@ -108,7 +108,9 @@ def fused_cross_entropy_sum(
     rows = hidden.shape[0]
     total: torch.Tensor | None = None
     for start in range(0, max(rows, 1), step):  # at least one (possibly empty) tile: the graph reaches the head
-        part = _checkpointed(hidden[start : start + step], targets[start : start + step], head, transform, ignore_index)
+        part = _checkpointed(
+            hidden[start : start + step], targets[start : start + step], head, transform, ignore_index
+        )
         total = part if total is None else total + part
     assert total is not None
     return total
@@ -134,7 +136,8 @@ class FusedOutput:
 
 
 def fused_support_problem(model: nn.Module, head_type: str | None) -> str | None:
-    """Why ``fused_lm_head`` cannot run on ``model`` (wrapped or not), or None when it can."""
+    """Why ``fused_lm_head`` cannot run on ``model`` (wrapped or not), or None when it can: a causal LM with an output
+    layer, on one process or under DDP, DeepSpeed ZeRO-1/2/3 or FSDP2 (mixtures of experts included)."""
     from .heads import unwrap_model
 
     base = unwrap_model(model)
@@ -144,12 +147,37 @@ def fused_support_problem(model: nn.Module, head_type: str | None) -> str | None
     output = get() if callable(get) else None
     if not isinstance(output, nn.Module):
         return f"{type(base).__name__} has no output layer (`get_output_embeddings()` is {output!r})"
-    config = getattr(base, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "output_router_logits", False):
-        return "the model returns router logits (a mixture of experts): its router terms are not fused yet"
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        return "more than one process: DDP, DeepSpeed and FSDP2 are not tested with the fused LM head yet"
+    if (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
+        backend = distributed_backend(model)
+        if backend is None:
+            return (
+                f"{torch.distributed.get_world_size()} processes with a {type(model).__name__} (not wrapped by DDP, "
+                f"DeepSpeed or FSDP2); the fused LM head is tested with those backends only"
+            )
+    return None
+
+
+def distributed_backend(model: nn.Module) -> str | None:
+    """The data-parallel wrapper of ``model`` the fused head is tested with: ``"ddp"``, ``"deepspeed"``, ``"fsdp2"``,
+    or None (no wrapper, FSDP1, or another one)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .heads import unwrap_model
+
+    if isinstance(model, DistributedDataParallel):
+        return "ddp"
+    if any(cls.__name__ == "DeepSpeedEngine" for cls in type(model).__mro__):
+        return "deepspeed"
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    if isinstance(model, FSDPModule) or isinstance(unwrap_model(model), FSDPModule):
+        return "fsdp2"
     return None
 
 
@@ -160,16 +188,63 @@ def _rows_of(inputs: dict[str, Any], row: int, batch_size: int) -> dict[str, Any
     }
 
 
+class _GradientBox:
+    """The gradient of the fused loss, handed from :class:`_FromLogits` (where the backward pass starts) to
+    :class:`_ThroughLogits` (inside the head), which passes it on to the tiles."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+
+
+class _ThroughLogits(torch.autograd.Function):
+    """Inside the head: a zero ``[batch, positions, 1]`` placeholder for the logits that depends on the tiles' loss
+    sum. Its backward passes the fused loss's gradient (from the box) to the sum, whatever the model did to the
+    placeholder: the tiles are back-propagated only after the gradient went through the model's logits."""
+
+    @staticmethod
+    def forward(ctx: Any, sum_loss: torch.Tensor, like: torch.Tensor, box: _GradientBox) -> torch.Tensor:  # noqa: ANN401
+        ctx.box = box
+        return like.new_zeros((*like.shape[:-1], 1))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None]:  # noqa: ANN401
+        given, ctx.box.grad = ctx.box.grad, None
+        if given is None:  # the model's logits reached the loss by another way: no gradient for the tiles
+            given = torch.zeros((), dtype=torch.float32, device=grad.device)
+        return given, None, None
+
+
+class _FromLogits(torch.autograd.Function):
+    """Outside the model: the fused loss sum (its value), as a function of the model's returned ``logits`` (the
+    placeholder, after the model's own transforms), so that the backward pass enters the model through its output.
+    Under FSDP2 the root module's pre-backward hook sits on that output, and under DeepSpeed ZeRO-3 the head module's
+    (it gathers the head's weight again); the tiles' recomputation then finds the weight whole."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, value: torch.Tensor, box: _GradientBox) -> torch.Tensor:  # noqa: ANN401
+        ctx.box, ctx.shape, ctx.dtype = box, logits.shape, logits.dtype
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None]:  # noqa: ANN401
+        ctx.box.grad = grad
+        return grad.new_zeros(ctx.shape, dtype=ctx.dtype), None, None
+
+
 class _Capture:
     """Stands in for the output layer's ``forward`` while one model call runs (an instance attribute of the head
     module, so the model's own forward, and whatever wraps it — accelerate's autocast, DDP — runs unchanged): it
     computes the tiles' loss sum from the hidden states it is given and returns a ``[batch, positions, 1]`` zero
     placeholder instead of the logits (the model's transforms of its logits then cost nothing; no labels are given,
-    so the model computes no loss of its own)."""
+    so the model computes no loss of its own). With gradient, the placeholder depends on the sum
+    (:class:`_ThroughLogits`)."""
 
     def __init__(self, head: nn.Module, forward: Any, targets: torch.Tensor, transform: LogitTransform, ignore: int):
         self.head, self.forward, self.targets, self.transform, self.ignore = head, forward, targets, transform, ignore
         self.sum_loss: torch.Tensor | None = None
+        self.box = _GradientBox()
         self.rows = 0
 
     def __call__(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -185,7 +260,10 @@ class _Capture:
         self.sum_loss = fused_cross_entropy_sum(
             hidden[counted], self.forward, targets[counted], transform=self.transform, ignore_index=self.ignore
         )
-        placeholder = hidden.new_zeros((*hidden.shape[:-1], 1))
+        if self.sum_loss.requires_grad:
+            placeholder = _ThroughLogits.apply(self.sum_loss, hidden.detach(), self.box)
+        else:
+            placeholder = hidden.new_zeros((*hidden.shape[:-1], 1))
         placeholder.fused_rows = self.rows  # what the LM head projected (hf-gradacc bench counts it)
         return placeholder
 
@@ -195,7 +273,12 @@ def fused_causal_lm_sum(
 ) -> FusedOutput:
     """One forward of ``model`` (wrapped or not; no labels in ``inputs``) with the fused head: the SUM of the
     cross-entropy over the causal ``targets`` (already shifted: position ``i`` predicts ``targets[i]``) that are not
-    ``ignore_index``."""
+    ``ignore_index``.
+
+    With gradient the sum is computed from the model's returned ``logits`` (a placeholder): its backward pass goes
+    through the model's output and the head's output before the tiles, as a full-logits loss's would, so the hooks
+    of DDP, DeepSpeed ZeRO-3 and FSDP2 on those outputs run first and the head's weight is gathered when the tiles
+    are recomputed."""
     from .heads import unwrap_model
 
     base = unwrap_model(model)
@@ -215,7 +298,16 @@ def fused_causal_lm_sum(
         raise GradAccLossError(
             f"fused_lm_head: {type(base).__name__}'s forward never called its output layer; set `fused_lm_head=False`."
         )
-    return FusedOutput(sum_loss=capture.sum_loss, backbone=outputs)
+    sum_loss = capture.sum_loss
+    if sum_loss.requires_grad:
+        logits = outputs.get("logits") if hasattr(outputs, "get") else None
+        if not (torch.is_tensor(logits) and logits.requires_grad):
+            raise GradAccLossError(
+                f"fused_lm_head: {type(base).__name__} returned no `logits` computed from its output layer's result; "
+                "set `fused_lm_head=False`."
+            )
+        sum_loss = _FromLogits.apply(logits, sum_loss.detach(), capture.box)
+    return FusedOutput(sum_loss=sum_loss, backbone=outputs)
 
 
 def fused_row_check(
@@ -228,16 +320,18 @@ def fused_row_check(
     ignore_index: int,
 ) -> tuple[float, float] | None:
     """The start-up check of the fused head on ONE row (the first with a counted target), without gradient: the
-    model's own loss of that row (its forward with the labels: the full logits of one row, no graph) and the fused
-    reconstruction of the same row (its sum over its count). None when no row has a counted target or the model
-    computes no loss."""
+    model's own loss of that row (its forward with the labels: the full logits of one row, no graph; minus the router
+    terms it adds, for a mixture of experts) and the fused reconstruction of the same row (its sum over its count).
+    None when no row has a counted target or the model computes no loss.
+
+    Every rank of a sharded model (ZeRO-3, FSDP2) must run the same collectives, so the two forwards always run: a
+    micro-batch without a counted target runs them on its first row, and the result is None."""
+    from .auxiliary import _router_losses
     from .heads import unwrap_model
 
     counts = (targets != ignore_index).sum(dim=-1)
     rows = torch.nonzero(counts > 0).flatten()
-    if rows.numel() == 0:
-        return None
-    row, batch_size = int(rows[0]), int(targets.shape[0])
+    row, batch_size = (int(rows[0]) if rows.numel() else 0), int(targets.shape[0])
     one = _rows_of(inputs, row, batch_size)
     given = {"labels": labels[row : row + 1].long()} if labels is not None else {}
     if shift_labels is not None:
@@ -245,8 +339,9 @@ def fused_row_check(
     base = unwrap_model(model)
     with torch.no_grad():
         own = base(**one, **given)
-        loss = own.get("loss") if hasattr(own, "get") else None
-        if not torch.is_tensor(loss):
-            return None
         ours = fused_causal_lm_sum(base, one, targets[row : row + 1], ignore_index=ignore_index).sum_loss
-    return float(ours) / int(counts[row]), float(loss.float())
+    loss = own.get("loss") if hasattr(own, "get") else None
+    if rows.numel() == 0 or not torch.is_tensor(loss):
+        return None
+    router = sum(coef * float(value) for _, value, coef in _router_losses(base, own))
+    return float(ours) / int(counts[row]), float(loss.float()) - router

@@ -1,8 +1,9 @@
 """`fused_lm_head=True`: the causal LM's head only where a target counts, in tiles, no [tokens x vocabulary] logits.
 
 Exact against the float64 full-batch reference (mixed lengths, many ignored labels, GA 4) for Llama, Llama with tied
-embeddings, Llama with LoRA adapters on the head (PEFT), Gemma 2 (final-logit softcapping) and Cohere (logit scale); a 1 % denominator error is outside the
-tolerance; the start-up check stops a model whose logit transform the fused head does not apply; no logit-sized
+embeddings, Llama with LoRA adapters on the head (PEFT), Gemma 2 (final-logit softcapping), Cohere (logit scale) and
+mixtures of experts (Mixtral, Qwen3-MoE: the router term beside the fused loss); a 1 % denominator error is outside
+the tolerance; the start-up check stops a model whose logit transform the fused head does not apply; no logit-sized
 tensor is saved for backward; the head projects exactly the counted targets; evaluation keeps the full logits."""
 
 from __future__ import annotations
@@ -153,12 +154,49 @@ def test_evaluation_keeps_the_full_logits() -> None:
 
 
 def test_unsupported_setups_are_refused() -> None:
-    samples = make_samples("causal_lm", 4, seed=3)
-    with pytest.raises(GradAccConfigError, match="fused_lm_head=True.*router"):
-        one_step_update(GradAccTrainer, build_tiny_moe("mixtral"), samples, _args(True))
+    samples = make_samples("sequence_classification", 4, seed=3)
+    with pytest.raises(GradAccConfigError, match=r"fused_lm_head=True.*'sequence_classification'"):
+        one_step_update(GradAccTrainer, build_tiny_model("sequence_classification"), samples, _args(True))
     with pytest.raises(GradAccConfigError, match="fused_lm_head"):
         one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=1, args_class=GradAccConfig,
                       fused_lm_head="yes")  # fmt: skip
+
+
+def test_only_the_tested_data_parallel_wrappers_are_accepted_on_several_processes(monkeypatch) -> None:
+    """Several processes: DDP, DeepSpeed and FSDP2 are recognised (tests/distributed/test_fused_head.py runs them);
+    a model under no wrapper, or another one, is refused, naming it."""
+    model = build_tiny_model("causal_lm")
+    assert fused_head.fused_support_problem(model, "causal_lm") is None  # one process
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    problem = fused_head.fused_support_problem(model, "causal_lm")
+    assert problem is not None and "2 processes with a LlamaForCausalLM" in problem
+    engine = type("DeepSpeedEngine", (torch.nn.Module,), {})()  # recognised by its name: deepspeed is optional
+    engine.module = model
+    assert fused_head.distributed_backend(engine) == "deepspeed"
+    assert fused_head.fused_support_problem(engine, "causal_lm") is None
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_router_term_of_a_mixture_of_experts_joins_the_fused_loss(family: str) -> None:
+    """The router load-balancing term comes back in the model's outputs and is kept as its own LossTerm (weighted by
+    routed tokens, as without the fused head); the start-up check takes it out of the model's own loss."""
+    from hf_gradacc.testing.reference import compare, reference_gradients
+
+    model = build_tiny_moe(family)
+    samples = make_samples("causal_lm", 7, seed=4)  # a short last micro-batch
+    micro_batches: list = []
+    args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=4, args_class=GradAccConfig,
+                         fused_lm_head=True)  # fmt: skip
+    update, trainer = one_step_update(GradAccTrainer, model, samples, args, micro_batches=micro_batches)
+    reference = reference_gradients(model, samples, "causal_lm", PaddingCollator(), micro_batches=micro_batches)
+    assert compare(update, reference).relative_error <= TOLERANCE
+    router = [n for n in reference if n.endswith("mlp.gate.weight")]
+    assert len(router) == 2
+    routed = compare({n: update[n] for n in router}, {n: reference[n] for n in router})
+    assert routed.relative_error <= 5e-5  # a small share of the update: as tests/unit/test_moe.py
+    logs = trainer.state.log_history[0]
+    assert logs["loss"] == pytest.approx(logs["loss/main"] + logs["loss/aux"], rel=1e-6) and logs["loss/aux"] > 0
 
 
 def test_fused_head_on_packed_micro_batches_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
