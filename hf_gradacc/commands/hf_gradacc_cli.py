@@ -1,15 +1,16 @@
 """The `hf-gradacc` command line (also `python -m hf_gradacc`): one subcommand per module of this package.
 
 * ``check`` (:mod:`.check`): one accumulated optimizer step, stock `Trainer` vs GradAccTrainer, against the
-  float64 full-batch gradient; exit 0 only when GradAccTrainer is exact.
+  float64 full-batch gradient (by default on every built-in tiny head, one row each); exit 0 only when
+  GradAccTrainer is exact.
 * ``bench`` (:mod:`.bench`): the stock `Trainer` against GradAccTrainer (plain, regrouped, token budget), timed in
   one run.
 * ``plot`` (:mod:`.plot`): a run's training curves (loss, grad norm, learning rate, tokens/s, padding, effective
-  batch) from its ``trainer_state.json``, to a PNG.
+  batch, gradient noise scale) from its ``trainer_state.json``, to a PNG.
 
 Example:
     ```bash
-    hf-gradacc check                                   # built-in tiny causal LM, 2 x GA 4
+    hf-gradacc check                                   # every built-in tiny head, 2 x GA 4
     hf-gradacc check --task sequence_classification --json out.json --plot curves.png
     hf-gradacc bench --steps 4 --datasets long_tailed
     hf-gradacc plot out/                               # out/curves.png from out/[checkpoint-*/]trainer_state.json

@@ -20,6 +20,7 @@ from hf_gradacc.commands import _common
 from hf_gradacc.commands import check as check_command
 from hf_gradacc.commands import hf_gradacc_cli as cli
 from hf_gradacc.commands.hf_gradacc_cli import main
+from hf_gradacc.testing.check_scenarios import HEAD_CASES, synthetic_samples
 from hf_gradacc.testing.tiny import TASKS
 
 TOLERANCE = 1e-5
@@ -61,8 +62,55 @@ def _save_tiny(path: Path, model_class, **config_kwargs) -> Path:
     return path
 
 
-def test_check_default_prints_table_and_exits_0(capsys):
-    assert main(["check"]) == 0
+def _head_rows(output: str) -> dict[str, list[str]]:
+    """The rows of the default run's table by head: [head, stock verdict, stock error, ours verdict, ours error, ...]."""
+    keys = {case.key for case in HEAD_CASES}
+    return {cells[0]: cells for cells in (line.split() for line in output.splitlines()) if cells and cells[0] in keys}
+
+
+def test_check_default_shows_every_head_and_exits_0(tmp_path, capsys):
+    """The first run a newcomer makes: one row per built-in head, the stock Trainer WRONG on all but the causal LM
+    that consumes num_items_in_batch, GradAccTrainer exact (<= 1e-5) on every one."""
+    report = tmp_path / "check.json"
+    assert main(["check", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "2 per device x 4 accumulation steps x 1 process = 8 samples per step" in out
+    assert f"torch {torch.__version__}" in out and f"transformers {transformers.__version__}" in out
+    rows = _head_rows(out)
+    assert list(rows) == [case.key for case in HEAD_CASES]
+    for key, cells in rows.items():
+        assert cells[3] == "exact" and float(cells[4]) <= TOLERANCE, cells
+        if key != "causal_lm":  # the stock causal LM: exact on transformers >= 5.16, 0.982x on 5.6
+            assert cells[1] == "WRONG" and float(cells[2]) > 0.1, cells
+    assert rows["sequence_classification"][5:] == ["--task", "sequence_classification", "norm", "4.00x"]
+    assert rows["causal_lm_no_loss_kwargs"][5:7] == ["--scenario", "no_loss_kwargs"]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(
+        f"hf-gradacc check: GradAccTrainer is exact on all {len(HEAD_CASES)} heads (largest rel err "
+    )
+    num_wrong = sum(cells[1] == "WRONG" for cells in rows.values())
+    assert num_wrong >= len(HEAD_CASES) - 1
+    assert last.endswith(f"stock Trainer is wrong on {num_wrong} of {len(HEAD_CASES)}")
+
+    data = json.loads(report.read_text())
+    assert data["command"] == "check" and data["is_exact"] is True and data["summary"] == last
+    assert data["setup"]["num_samples"] == 8 and data["setup"]["world_size"] == 1
+    for key, head in data["heads"].items():
+        ours, stock = head["results"]["GradAccTrainer"], head["results"]["Trainer"]
+        assert ours["is_exact"] is True and ours["relative_error"] <= TOLERANCE, key
+        assert stock["is_exact"] is (rows[key][1] == "exact"), key
+    assert abs(data["heads"]["sequence_classification"]["results"]["Trainer"]["norm_ratio"] - 4.0) < 1e-3
+
+
+def test_check_default_exits_1_when_one_head_is_not_exact(capsys):
+    assert main(["check", "--tolerance", "1e-15"]) == 1
+    out = capsys.readouterr().out
+    assert all(cells[3] == "WRONG" for cells in _head_rows(out).values())
+    assert out.strip().splitlines()[-1].startswith("hf-gradacc check: GradAccTrainer is NOT exact on causal_lm, ")
+
+
+def test_check_task_causal_lm_prints_table_and_exits_0(capsys):
+    assert main(["check", "--task", "causal_lm"]) == 0
     out = capsys.readouterr().out
     assert "task      causal_lm" in out
     assert "LlamaForCausalLM (built-in tiny model" in out
@@ -134,7 +182,7 @@ def test_synthetic_samples_stay_within_model_vocab_and_labels(task):
     config = transformers.BertConfig(vocab_size=9, num_labels=5, pad_token_id=4, max_position_embeddings=16)
     model = torch.nn.Module()
     model.config = config
-    samples = check_command._synthetic_samples(task, 12, 0, model)
+    samples = synthetic_samples(task, 12, 0, model)
     assert len(samples) == 12
     assert {len(s["input_ids"]) for s in samples} != {len(samples[0]["input_ids"])}  # still mixed lengths
     for s in samples:
@@ -311,8 +359,49 @@ def test_check_exit_status_of_trainer_errors(monkeypatch, capsys, error, status)
         raise getattr(errors, error)("`gradient_accumulation_steps` (3) disagrees with the DeepSpeed config (4)")
 
     monkeypatch.setattr(check, "one_step_update", fail)
-    assert main(["check"]) == status
+    assert main(["check", "--task", "causal_lm"]) == status
     assert "hf-gradacc check: error: `gradient_accumulation_steps` (3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "error, status, message",
+    [
+        # every head refused by the set-up: nothing ran, a setting to change
+        ("GradAccConfigError", cli.EXIT_USAGE, "error: no built-in head could run under this set-up:\n  causal_lm: `"),
+        ("GradAccDataError", cli.EXIT_NOT_EXACT, "error: causal_lm: `gradient_accumulation_steps` (3)"),
+    ],
+)
+def test_check_default_exit_status_of_trainer_errors(monkeypatch, capsys, error, status, message):
+    from hf_gradacc import errors
+    from hf_gradacc.testing import one_step as check
+
+    def fail(*args, **kwargs):
+        raise getattr(errors, error)("`gradient_accumulation_steps` (3) disagrees with the DeepSpeed config (4)")
+
+    monkeypatch.setattr(check, "one_step_update", fail)
+    assert main(["check"]) == status
+    assert message in capsys.readouterr().err
+
+
+def test_check_default_skips_a_head_the_set_up_refuses(monkeypatch, capsys):
+    """A head the backend cannot take (FSDP2 and BERT, say) is a skipped row; the others still decide the status."""
+    from hf_gradacc.errors import UnsupportedBackendError
+    from hf_gradacc.testing import one_step as check
+
+    real = check.one_step_update
+
+    def refuse_bert(trainer_class, model, *args, **kwargs):
+        if type(model).__name__.startswith("Bert"):
+            raise UnsupportedBackendError("BertForMaskedLM cannot be wrapped here")
+        return real(trainer_class, model, *args, **kwargs)
+
+    monkeypatch.setattr(check, "one_step_update", refuse_bert)
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    skipped = [line.split() for line in out.splitlines() if " skipped " in line]
+    assert skipped and all(cells[1] == "skipped" for cells in skipped), out
+    assert "BertForMaskedLM cannot be wrapped here" in out
+    assert f"exact on all {len(HEAD_CASES) - len(skipped)} heads" in out.strip().splitlines()[-1]
 
 
 # ---------------------------------------------------------------------------------------------- --trainer sft / dpo
@@ -393,11 +482,63 @@ def test_check_trainer_without_trl_names_the_extra(monkeypatch, capsys):
 
 def test_the_stock_note_tells_a_wrong_size_from_a_wrong_weighting():
     """transformers 5.6's stock causal-LM step is only too small (right direction); an MoE step's router term is
-    weighted wrongly (other direction): the report names the cause each time."""
-    from hf_gradacc.commands.check import _stock_note
+    weighted wrongly (other direction): the report names the cause each time, the router only for a model with one."""
+    from hf_gradacc.testing.check_report import stock_note
     from hf_gradacc.testing.reference import Comparison
 
     size_only = Comparison(relative_error=1.79e-2, cosine=1.0 - 1e-12, norm_ratio=0.9821)
-    assert "0.9821x its size" in _stock_note(size_only, 1e-5, "causal_lm")
+    assert "0.9821x its size" in stock_note(size_only, 1e-5, "causal_lm")
     weighting = Comparison(relative_error=1.4e-2, cosine=0.99995, norm_ratio=1.001)
-    assert "router term" in _stock_note(weighting, 1e-5, "causal_lm")
+    assert "router term" in stock_note(weighting, 1e-5, "causal_lm", has_router=True)
+    assert "router" not in stock_note(weighting, 1e-5, "causal_lm")
+
+
+# ---------------------------------------------------------------------------------------------- a checkpoint's head
+def test_check_task_causal_lm_on_a_classification_checkpoint_is_refused(tmp_path, capsys):
+    """A BertForSequenceClassification checkpoint with `--task causal_lm`: no silent new LM head, no router story;
+    the error names `--task`, the architecture and the way out."""
+    path = _save_tiny(tmp_path / "bert-cls", transformers.BertForSequenceClassification, num_labels=3)
+    assert main(["check", "--model", str(path), "--task", "causal_lm"]) == 2
+    captured = capsys.readouterr()
+    assert "hf-gradacc check: error: `--task causal_lm`" in captured.err
+    assert "BertForSequenceClassification" in captured.err and "not a causal LM" in captured.err
+    assert "Drop `--task`" in captured.err
+    assert "router" not in captured.err + captured.out
+
+
+def test_check_task_other_than_the_checkpoint_head_warns(tmp_path, capsys):
+    """Another head than the checkpoint's (BERT classifier as masked LM) runs, with a warning naming both."""
+    path = _save_tiny(tmp_path / "bert-cls", transformers.BertForSequenceClassification, num_labels=3)
+    assert main(["check", "--model", str(path), "--task", "masked_lm"]) == 0
+    captured = capsys.readouterr()
+    assert "hf-gradacc check: warning: `--task masked_lm` loads" in captured.err
+    assert "BertForSequenceClassification" in captured.err and "randomly initialised masked_lm head" in captured.err
+    assert _row(captured.out, "GradAccTrainer")[-1] == "exact"
+    assert "router" not in captured.out
+
+
+def test_check_trainer_on_a_classification_checkpoint_is_refused(tmp_path, capsys):
+    pytest.importorskip("trl")
+    path = _save_tiny(tmp_path / "bert-cls", transformers.BertForSequenceClassification, num_labels=3)
+    assert main(["check", "--trainer", "sft", "--model", str(path)]) == 2
+    assert "not a causal LM" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_check_trainer_on_a_saved_moe_includes_the_router_term(tmp_path, capsys, kind):
+    """A tiny Mixtral (router coefficient 0.5, output_router_logits on) saved with save_pretrained: the float64
+    reference holds the router term, each micro-batch's coef x aux weighted by its share of the step's routed tokens
+    (docs/trl.md), so the correct GradAcc trainer is exact and TRL's (router term / GA per micro-batch) is not."""
+    pytest.importorskip("trl")
+    from hf_gradacc.testing.tiny import build_tiny_moe
+
+    build_tiny_moe("mixtral", router_aux_loss_coef=0.5).save_pretrained(tmp_path / "mixtral")
+    report = tmp_path / "check.json"
+    assert main(["check", "--trainer", kind, "--model", str(tmp_path / "mixtral"), "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "router term on (coefficient 0.5)" in out
+    name = kind.upper()
+    ours, stock = _row(out, f"GradAcc{name}Trainer"), _row(out, f"{name}Trainer")
+    assert float(ours[1]) <= TOLERANCE and ours[-1] == "exact"
+    assert float(stock[1]) > 1e-3 and stock[-1] == "WRONG"
+    assert json.loads(report.read_text())["results"][f"GradAcc{name}Trainer"]["relative_error"] <= TOLERANCE
