@@ -311,7 +311,9 @@ def test_dpo_regrouped_step_is_the_mean_over_all_pairs(tmp_path, mode: str) -> N
                                **config[mode])  # fmt: skip
     error = compare(update, trl_steps.dpo_reference(model, pairs, beta=0.1).grads).relative_error
     (window,) = trainer.windows
-    print(f"GradAccDPOTrainer {mode}: vs float64 {error:.2g}, micro-batches {[tuple(b['input_ids'].shape) for b in window]}")
+    print(
+        f"GradAccDPOTrainer {mode}: vs float64 {error:.2g}, micro-batches {[tuple(b['input_ids'].shape) for b in window]}"
+    )
     assert error <= TOL
     assert all(rows % 2 == 0 for rows in _pair_rows(window)) and sum(_pair_rows(window)) == 2 * len(pairs)
     if mode == "regroup":
