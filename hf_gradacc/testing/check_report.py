@@ -224,12 +224,20 @@ def format_heads_report(setup: Setup, rows: Sequence[HeadResult], tolerance: flo
         )
     ran = [r for r in rows if r.ours is not None]
     wrong = [r for r in ran if not r.stock.is_exact(tolerance)]
+    causal_lm_wrong = any(r.key == "causal_lm" for r in wrong)
     note = (
         f"Relative gradient error of each trainer's step (tolerance {tolerance:g}): the stock Trainer is wrong on "
-        f"{len(wrong)} of {len(ran)} heads. It is exact only when the model's own loss takes num_items_in_batch (a "
-        "causal LM with a `labels` key that accepts loss kwargs); otherwise each micro-batch's mean loss counts as a "
-        "whole, so padding and micro-batches of unequal size change the step. GradAccTrainer divides each "
-        "micro-batch's summed loss by the step's count of targets. A row's options print its full table."
+        f"{len(wrong)} of {len(ran)} heads. "
+        + (
+            "Even the plain causal LM, whose loss takes num_items_in_batch, is off with this transformers version "
+            "(transformers 5.6 divides it by another count than the step's targets). "
+            if causal_lm_wrong
+            else "It is exact only when the model's own loss takes num_items_in_batch (a causal LM with a `labels` "
+            "key that accepts loss kwargs). "
+        )
+        + "Elsewhere each micro-batch's mean loss counts as a whole, so padding and micro-batches of unequal size "
+        "change the step. GradAccTrainer divides each micro-batch's summed loss by the step's count of targets. A "
+        "row's options print its full table."
     )
     lines += ["", _fill(note)]
     return "\n".join(lines)

@@ -542,3 +542,24 @@ def test_check_trainer_on_a_saved_moe_includes_the_router_term(tmp_path, capsys,
     assert float(ours[1]) <= TOLERANCE and ours[-1] == "exact"
     assert float(stock[1]) > 1e-3 and stock[-1] == "WRONG"
     assert json.loads(report.read_text())["results"][f"GradAcc{name}Trainer"]["relative_error"] <= TOLERANCE
+
+
+def test_the_heads_note_follows_the_causal_lm_row():
+    """transformers 5.6's stock causal LM is off too: the default run's note then says so instead of calling the
+    causal LM the stock Trainer's exact case."""
+    from hf_gradacc.testing.check_report import HeadResult, Setup, format_heads_report
+    from hf_gradacc.testing.reference import Comparison
+
+    setup = Setup(task="every built-in head", model="built-in tiny models", model_class="", num_parameters=0,
+                  per_device_train_batch_size=2, gradient_accumulation_steps=4, world_size=1, num_samples=8,
+                  backend="single process", device="cpu", seed=0, versions={})  # fmt: skip
+    exact = Comparison(relative_error=3e-7, cosine=1.0, norm_ratio=1.0)
+    small = Comparison(relative_error=1.8e-2, cosine=1.0, norm_ratio=0.982)
+    scaled = Comparison(relative_error=3.0, cosine=1.0, norm_ratio=4.0)
+    seq = HeadResult(key="sequence_classification", options="--task sequence_classification", task="sequence_classification",
+                     stock=scaled, ours=exact)  # fmt: skip
+    for stock, phrase in ((exact, "It is exact only when"), (small, "Even the plain causal LM")):
+        clm = HeadResult(key="causal_lm", options="--task causal_lm", task="causal_lm", stock=stock, ours=exact)
+        text = " ".join(format_heads_report(setup, [clm, seq], 1e-5).split())
+        assert phrase in text, text
+        assert f"wrong on {1 + (stock is small)} of 2 heads" in text
