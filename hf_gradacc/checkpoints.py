@@ -24,6 +24,7 @@ import os
 import re
 import zipfile
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from transformers.utils import logging
@@ -242,11 +243,12 @@ def latest_complete_checkpoint(output_dir: str, *, world_size: int = 1) -> str:
     )
 
 
-def resolve_resume(trainer: Any, value: str | bool | None) -> str | bool | None:
-    """What `Trainer.train` gets for ``resume_from_checkpoint``: ``True`` becomes the newest complete checkpoint;
-    a folder is checked and refused with :class:`~hf_gradacc.GradAccConfigError` naming the missing or broken file
-    when it cannot be resumed, or naming the setting when it was saved with another data layout
-    (:func:`check_data_layout`); anything else passes through."""
+def resolve_resume(trainer: Any, value: str | bool | None) -> tuple[str | bool | None, ResumePoint | None]:
+    """What `Trainer.train` gets for ``resume_from_checkpoint``, and where the resumed run starts in the data when
+    the checkpoint's position is carried over in samples (None: the stock resume). ``True`` becomes the newest
+    complete checkpoint; a folder is checked and refused with :class:`~hf_gradacc.GradAccConfigError` naming the
+    missing or broken file when it cannot be resumed, or naming the setting when it was saved with a data layout
+    that cannot be carried over (:func:`check_data_layout`); anything else passes through."""
     world_size = trainer.args.world_size
     if value is True:
         path = latest_complete_checkpoint(trainer.args.output_dir, world_size=world_size)
@@ -259,22 +261,78 @@ def resolve_resume(trainer: Any, value: str | bool | None) -> str | bool | None:
                 "checkpoint (`resume_from_checkpoint=True` picks the newest complete one), or start without it."
             )
     else:
-        return value
-    check_data_layout(path, data_layout(trainer))
-    return path
+        return value, None
+    point = check_data_layout(path, data_layout(trainer), mismatch=trainer.gradacc.resume_data_mismatch,
+                              blocker=prefix_blocker(trainer))  # fmt: skip
+    return path, point
 
 
 # ---------------------------------------------------------------------------------------------- the data position
-# What the data position of a checkpoint means: `Trainer` resumes by skipping `global_step` x (the NEW run's samples
-# per step) of the epoch's order, so any of these that changed loses or repeats samples, silently.
+# What the data position of a checkpoint means. The stock resume skips `global_step` x (the NEW run's samples per step)
+# of the epoch's order; hf_gradacc records where the epoch stands in samples instead (`DataPosition`), so a change of
+# the first four fields is carried over exactly (`ResumePoint`); a change of any other one cannot be.
+_RELAYOUT_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "accumulation_schedule", "world_size")
 _LAYOUT_FIELDS = (
-    "per_device_train_batch_size", "gradient_accumulation_steps", "accumulation_schedule", "world_size",
-    "num_train_samples", "seed", "data_seed", "dataloader_drop_last", "regroup_micro_batches",
-    "max_tokens_per_micro_batch", "pack_micro_batches",
+    *_RELAYOUT_FIELDS, "num_train_samples", "seed", "data_seed", "dataloader_drop_last", "train_sampling_strategy",
+    "regroup_micro_batches", "max_tokens_per_micro_batch", "pack_micro_batches",
 )  # fmt: skip
-
-
+# Samplers whose epoch order depends on neither the batch size nor the number of ranks (the seed and epoch only).
+_PREFIX_SAMPLING = ("random", "sequential")
 _UNKNOWN_IF_NONE = ("per_device_train_batch_size", "num_train_samples")  # auto_find_batch_size, an IterableDataset
+POSITION_KEY = "position"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataPosition:
+    """Where the training data stands after an optimizer step, as recorded in a checkpoint.
+
+    Attributes:
+        epoch: the epoch in progress (0-based).
+        num_samples: samples of the epoch's order trained, the first ``num_samples`` of it; None when what was
+            trained is not a prefix of the order (regrouped or packed micro-batches, a dataset without a length).
+        num_micro_batches: micro-batches per rank trained in the epoch by the run that saved.
+        epoch_done: every micro-batch of the epoch was trained (the next one starts the next epoch).
+    """
+
+    epoch: int
+    num_samples: int | None
+    num_micro_batches: int
+    epoch_done: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumePoint:
+    """Where a resumed run starts in the data, taken from the checkpoint's record, not from ``global_step``.
+
+    Attributes:
+        epoch: the epoch to resume in.
+        num_samples: samples of that epoch's order already trained (skipped by the resumed run).
+        global_step: the checkpoint's optimizer steps.
+        changed: the layout fields that differ, as ``"name old -> new"``.
+    """
+
+    epoch: int
+    num_samples: int
+    global_step: int
+    changed: tuple[str, ...]
+
+
+def prefix_blocker(trainer: Any) -> str | None:
+    """Why ``trainer``'s trained samples are not a prefix of the epoch's order (so a position in samples means
+    nothing), or None when they are: regrouped or packed micro-batches, a dataset without a length, a sampler whose
+    order depends on the batch size (``group_by_length``)."""
+    from transformers.trainer_utils import has_length
+
+    settings, args = trainer.gradacc, trainer.args
+    if settings.regroups:
+        return "micro-batches are regrouped or packed (`regroup_micro_batches`, `max_tokens_per_micro_batch`, " \
+               "`pack_micro_batches`): a step's samples are not the next ones of the epoch's order"  # fmt: skip
+    if trainer.train_dataset is None or not has_length(trainer.train_dataset):
+        return "the training dataset has no length (an IterableDataset): there is no epoch order to count in"
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in _PREFIX_SAMPLING:
+        return f"`train_sampling_strategy`={strategy!r} orders the epoch by batches of this run's size"
+    return None
 
 
 def data_layout(trainer: Any) -> dict[str, Any]:
@@ -293,6 +351,7 @@ def data_layout(trainer: Any) -> dict[str, Any]:
         "seed": args.seed,
         "data_seed": args.data_seed,
         "dataloader_drop_last": args.dataloader_drop_last,
+        "train_sampling_strategy": getattr(args, "train_sampling_strategy", "random"),
         "regroup_micro_batches": settings.regroup_micro_batches,
         "max_tokens_per_micro_batch": settings.max_tokens_per_micro_batch,
         "pack_micro_batches": settings.pack_micro_batches,
@@ -300,31 +359,123 @@ def data_layout(trainer: Any) -> dict[str, Any]:
     return {name: layout[name] for name in _LAYOUT_FIELDS}
 
 
-def check_data_layout(path: str, current: dict[str, Any]) -> None:
-    """Raise :class:`~hf_gradacc.GradAccConfigError` when the checkpoint at ``path`` was saved mid-training with a data
-    layout other than ``current``: the resume would skip the wrong samples (GA 2 -> 4 at step 2 of 6: 6 of the epoch's
-    24 samples never trained). Checkpoints saved without hf_gradacc's ``hf_gradacc_data.json`` are not judged."""
+def _read_record(path: str) -> tuple[dict[str, Any], int] | None:
+    """The checkpoint's data record and its ``global_step``, or None (a checkpoint saved without hf_gradacc)."""
     try:
         with open(os.path.join(path, DATA_NAME)) as f:
             saved = json.load(f)
         with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
             step = int(json.load(f).get("global_step", 0))
     except (OSError, ValueError, TypeError, AttributeError):
-        return
-    changed = [
-        f"{name}={saved[name]!r} (this run: {current[name]!r})"
+        return None
+    return (saved, step) if isinstance(saved, dict) else None
+
+
+def _from_rank_zero(value: Any) -> Any:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _saved_position(saved: dict[str, Any]) -> DataPosition | None:
+    try:
+        return DataPosition(**saved[POSITION_KEY])
+    except (KeyError, TypeError):
+        return None  # a record written before positions were (hf_gradacc < 0.x: issue 18)
+
+
+def check_data_layout(
+    path: str, current: dict[str, Any], *, mismatch: str = "error", blocker: str | None = None
+) -> ResumePoint | None:
+    """Judge the checkpoint at ``path`` against this run's data layout ``current``; return where to resume in the
+    data when the checkpoint's position is carried over in samples, or None for the stock resume (skip
+    ``global_step`` steps of this run's layout).
+
+    A changed batch size, ``gradient_accumulation_steps``, ``accumulation_schedule`` or world size is carried over
+    when the checkpoint recorded its position in samples and ``blocker`` (why this run's samples are not a prefix of
+    the epoch's order, see :func:`prefix_blocker`) is None. Any other difference (dataset length, seed, data_seed,
+    drop_last, sampling strategy, regrouping or packing), or a layout change that cannot be carried over, raises
+    :class:`~hf_gradacc.GradAccConfigError` naming it, unless ``mismatch="accept"`` (a warning then, and the stock
+    resume). Checkpoints saved without hf_gradacc's ``hf_gradacc_data.json`` are not judged.
+
+    Example:
+        ```python
+        point = check_data_layout("out/checkpoint-4", data_layout(trainer))
+        if point is not None:
+            print(f"resuming epoch {point.epoch} after its first {point.num_samples} samples")
+        ```
+    """
+    record = _from_rank_zero(_read_record(path))  # every rank judges rank 0's record: one decision on every rank
+    if record is None:
+        return None
+    saved, step = record
+    differs = [
+        name
         for name in _LAYOUT_FIELDS
         if name in saved and saved[name] != current.get(name)
         and not (name in _UNKNOWN_IF_NONE and None in (saved[name], current.get(name)))
-    ]
-    if step == 0 or not changed:
-        return
-    raise GradAccConfigError(
-        f"`resume_from_checkpoint` ({path!r}) was saved at step {step} with {', '.join(changed)}. The resume skips "
-        "`global_step` times THIS run's samples per step of the epoch's order, so samples would be lost or trained "
-        "twice, silently. Resume with the checkpoint's values, or start a new run from its weights "
-        "(`from_pretrained` on the folder) without `resume_from_checkpoint`."
-    )
+    ]  # fmt: skip
+    if step == 0:
+        return None
+    position = _saved_position(saved)
+    hard = [name for name in differs if name not in _RELAYOUT_FIELDS]
+    why_not = None
+    if differs and not hard:
+        if position is None or position.num_samples is None:
+            why_not = "the checkpoint did not record its position in samples" + (
+                " (it was saved with regrouped or packed micro-batches, or without a dataset length)"
+                if position is not None else " (saved by an older hf_gradacc)"
+            )  # fmt: skip
+        elif blocker is not None:
+            why_not = blocker
+    if hard or why_not is not None:
+        changes = ", ".join(f"{name}={saved[name]!r} (this run: {current.get(name)!r})" for name in differs)
+        reason = (
+            f"a changed {', '.join(n for n in differs if n in _RELAYOUT_FIELDS)} cannot be carried over: {why_not}"
+            if why_not is not None else
+            "these decide which samples each step takes and cannot be carried over"
+        )  # fmt: skip
+        if mismatch == "accept":
+            logger.warning(
+                f"Resuming {path!r} (step {step}) with {changes} (`resume_data_mismatch='accept'`): {reason}. The "
+                "resume skips `global_step` times this run's samples per step of the epoch's order; samples may be "
+                "lost or trained twice."
+            )
+            return None
+        raise GradAccConfigError(
+            f"`resume_from_checkpoint` ({path!r}) was saved at step {step} with {changes}; {reason}. The resume would "
+            "skip `global_step` times THIS run's samples per step of the epoch's order, so samples would be lost or "
+            "trained twice, silently. Resume with the checkpoint's values, set `resume_data_mismatch='accept'` to "
+            "resume anyway, or start a new run from its weights (`from_pretrained` on the folder) without "
+            "`resume_from_checkpoint`."
+        )
+    if position is None or position.num_samples is None or blocker is not None:
+        return None  # the same layout, not counted in samples: the stock resume, as before
+    epoch, num_samples = position.epoch, position.num_samples
+    if position.epoch_done or num_samples >= current["num_train_samples"]:
+        epoch, num_samples = epoch + 1, 0
+    changed = tuple(f"{name} {saved[name]!r} -> {current.get(name)!r}" for name in differs)
+    return ResumePoint(epoch=epoch, num_samples=num_samples, global_step=step, changed=changed)
+
+
+def stock_position(
+    global_step: int,
+    *,
+    num_update_steps_per_epoch: int,
+    gradient_accumulation_steps: int,
+    schedule: Any,
+    batches_per_epoch: int | None,
+) -> tuple[int, int]:
+    """Where the stock resume puts a run at ``global_step`` in THIS run's layout: ``(epoch, micro-batches per rank
+    trained in it)``."""
+    if schedule is not None:
+        return schedule.locate(global_step, batches_per_epoch)
+    done = global_step % num_update_steps_per_epoch * gradient_accumulation_steps
+    return global_step // num_update_steps_per_epoch, done
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -365,8 +516,12 @@ def checkpoint_save(trainer: Any, trial: Any) -> Iterator[None]:
         args.save_total_limit = limit
     trainer.accelerator.wait_for_everyone()  # every rank's files (RNG state, shards) are written
     if args.should_save:
+        record = data_layout(trainer)
+        position = getattr(trainer, "data_position", None)
+        if position is not None:
+            record[POSITION_KEY] = asdict(position)
         with open(os.path.join(folder, DATA_NAME), "w") as f:
-            json.dump(data_layout(trainer), f, indent=1)
+            json.dump(record, f, indent=1)
         _write_marker(folder)
         rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                            best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)  # fmt: skip

@@ -29,9 +29,11 @@ logger = logging.get_logger(__name__)
 ZeroReduction = Literal["per_micro_batch", "per_window"]
 FsdpSync = Literal["deferred", "every_micro_batch", "defer_all_reduce"]
 NonFiniteSteps = Literal["skip", "raise", "propagate"]
+ResumeDataMismatch = Literal["error", "accept"]
 ZERO_REDUCTIONS: tuple[str, ...] = get_args(ZeroReduction)
 FSDP_SYNCS: tuple[str, ...] = get_args(FsdpSync)
 NONFINITE_STEPS: tuple[str, ...] = get_args(NonFiniteSteps)
+RESUME_DATA_MISMATCHES: tuple[str, ...] = get_args(ResumeDataMismatch)
 BatchNormMode = Literal["per_micro_batch", "freeze_stats", "precise"]
 BATCHNORM_MODES: tuple[str, ...] = get_args(BatchNormMode)
 PRECISE_BN_BATCHES = 100  # default of `precise_bn_batches`
@@ -206,6 +208,17 @@ class GradAccArguments:
         },
     )
 
+    resume_data_mismatch: str = field(
+        default="error",
+        metadata={
+            "help": "A resumed checkpoint whose data position cannot be carried over to this run (another dataset "
+            "length, seed or data_seed, regrouping / packing settings, or a changed batch layout with regrouping): "
+            "'error' (GradAccConfigError naming the difference) or 'accept' (resume anyway, skipping the "
+            "checkpoint's optimizer steps in this run's layout, with a warning). A changed batch size, "
+            "gradient_accumulation_steps, accumulation_schedule or world size alone is carried over exactly."
+        },
+    )
+
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:  # TrainingArguments.__post_init__ first, then the cross-field checks
@@ -299,6 +312,7 @@ class GradAccSettings:
     precise_bn_batches: int = PRECISE_BN_BATCHES
     accumulation_schedule: AccumulationSchedule | None = None
     lr_scaling: LrScaling = "none"
+    resume_data_mismatch: ResumeDataMismatch = "error"
 
     @property
     def regroups(self) -> bool:
@@ -355,7 +369,8 @@ def resolve_settings(args: TrainingArguments | GradAccArguments, overrides: Any 
                  "regroup_micro_batches", "check_loss_at_start", "pack_micro_batches"):
         _check_bool(name, getattr(settings, name))
     for name, choices in (
-        ("zero_reduction", ZERO_REDUCTIONS), ("fsdp_sync", FSDP_SYNCS), ("nonfinite_steps", NONFINITE_STEPS)
+        ("zero_reduction", ZERO_REDUCTIONS), ("fsdp_sync", FSDP_SYNCS), ("nonfinite_steps", NONFINITE_STEPS),
+        ("resume_data_mismatch", RESUME_DATA_MISMATCHES),
     ):
         if getattr(settings, name) not in choices:
             raise GradAccConfigError(f"`{name}` ({getattr(settings, name)!r}) must be one of {choices}")

@@ -16,6 +16,7 @@ flight, because `Trainer`'s ``training_step`` / ``compute_loss`` signatures cann
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from functools import partial
@@ -32,11 +33,18 @@ from .backends import Backend, resolve_backend
 from .builtin_loss import MAIN_TERM, batch_mean_loss, builtin_loss, model_mean_loss
 from .callbacks.base import GradAccCallback
 from .callbacks.batchnorm import batchnorm_callback_for
-from .checkpoints import checkpoint_save, resolve_resume
+from .checkpoints import DataPosition, ResumePoint, checkpoint_save, prefix_blocker, resolve_resume, stock_position
 from .checks import start_up_check
 from .compat import check_trainer_class
 from .config import GradAccSettings, resolve_settings
-from .data.loader import adjust_training_values, build_train_dataloader, check_train_dataset, fetch_batches, plan_epoch
+from .data.loader import (
+    adjust_training_values,
+    build_train_dataloader,
+    check_train_dataset,
+    fetch_batches,
+    plan_epoch,
+    skip_first_samples,
+)
 from .data.pack import check_packing_support
 from .distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .errors import GradAccConfigError, GradAccLossError, GradAccUsageError
@@ -271,8 +279,12 @@ class GradAccMixin:
         """`Trainer.train`; ``resume_from_checkpoint=True`` takes the newest checkpoint that can be resumed
         (:func:`~hf_gradacc.checkpoints.latest_complete_checkpoint`), passing over a save that was killed midway; a
         named folder that cannot be resumed is refused, naming the missing or broken file, and so is one saved with
-        another data layout (batch, GA or schedule, world size, dataset, seed), which would lose or repeat samples."""
-        resume_from_checkpoint = resolve_resume(self, resume_from_checkpoint)
+        another data layout that cannot be carried over (dataset, seed, regrouping), which would lose or repeat
+        samples. A changed batch size, GA, schedule or world size resumes at the checkpoint's recorded position in
+        samples: the rest of the epoch's order, re-batched in this run's layout (``set_initial_training_values``)."""
+        resume_from_checkpoint, self._resume_point = resolve_resume(self, resume_from_checkpoint)
+        self._resume_at: ResumePoint | None = None  # set once the run's layout is known, when the stock skip is wrong
+        self.data_position: DataPosition | None = None  # where the data stands, recorded by each checkpoint
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
@@ -309,6 +321,13 @@ class GradAccMixin:
             self._loss_check_due, self._loss_check = self.gradacc.check_loss_at_start, None
         resuming = epoch == epochs_trained and resume_from_checkpoint is not None
         skip = steps_trained_in_current_epoch if resuming and not self.args.ignore_data_skip else 0
+        # Where the epoch stands in samples of its order (None: not a prefix of it), recorded by each checkpoint.
+        relayout = resuming and self._resume_at is not None
+        first_sample = self._resume_at.num_samples if relayout and not self.args.ignore_data_skip else 0
+        if relayout:
+            steps_in_epoch = len(train_dataloader)  # the micro-batches left after the skipped samples, per rank
+        num_samples = len(self.train_dataset) if prefix_blocker(self) is None else None
+        samples_per_micro_batch = self._train_batch_size * self.args.world_size
         plan = plan_epoch(
             train_dataloader,
             epoch,
@@ -354,6 +373,12 @@ class GradAccMixin:
                 self._window = None
             self.state.global_step += 1
             self.state.epoch = epoch + (step + 1) / steps_in_epoch
+            trained = None if num_samples is None else min(first_sample + (step + 1) * samples_per_micro_batch, num_samples)
+            self.data_position = DataPosition(
+                epoch=epoch, num_samples=trained, num_micro_batches=step + 1, epoch_done=step + 1 >= steps_in_epoch
+            )
+            if relayout and trained is not None:
+                self.state.epoch = epoch + trained / num_samples
             self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
             self._maybe_log_save_evaluate(
                 self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
@@ -368,6 +393,10 @@ class GradAccMixin:
                 f" {self.state.global_step}!"
             )
             self.control.should_training_stop = True
+        if self.backend.dp_world_size > 1:
+            # The loss trained since the last log, as the mean over ranks: `Trainer` adds it to the run's
+            # `train_loss` at the end without reducing it. Every rank reaches this point: an agreed collective.
+            self._tr_loss.copy_(self.backend.all_gather(self._tr_loss.detach()).mean(dim=0))
         self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
         self._maybe_log_save_evaluate(
             self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
@@ -551,15 +580,57 @@ class GradAccMixin:
         values = adjust_training_values(dataloader, args, values, gather)
         schedule = self.gradacc.accumulation_schedule
         self._batches_per_epoch = values[5] if has_length(dataloader) else None
-        if schedule is None:
+        if schedule is not None:
+            run = scheduled_training_values(
+                schedule, batches_per_epoch=self._batches_per_epoch, num_train_epochs=args.num_train_epochs,
+                max_steps=args.max_steps, samples_per_micro_batch=values[4] // args.gradient_accumulation_steps,
+            )  # fmt: skip
+            logger.info(f"  Accumulation schedule = {schedule} (lr_scaling={self.gradacc.lr_scaling!r}), {run.max_steps} steps")
+            values = (run.num_train_epochs, run.num_update_steps_per_epoch, values[2], run.num_train_samples, values[4],
+                      run.steps_in_epoch, run.max_steps)  # fmt: skip
+        return self._resume_values(args, dataloader, values)
+
+    def _resume_values(self, args, dataloader, values: tuple) -> tuple:
+        """A resume whose checkpoint position (in samples) is not where the stock skip lands (another batch size, GA,
+        schedule or world size): the next epoch of ``dataloader`` leaves out the samples the checkpoint trained, and
+        the run's length counts the rest of that epoch in this run's layout (the scheduler is built on it)."""
+        point = getattr(self, "_resume_point", None)
+        self._resume_at = None
+        if point is None or self._batches_per_epoch is None:
             return values
-        run = scheduled_training_values(
-            schedule, batches_per_epoch=self._batches_per_epoch, num_train_epochs=args.num_train_epochs,
-            max_steps=args.max_steps, samples_per_micro_batch=values[4] // args.gradient_accumulation_steps,
+        num_train_epochs, steps_per_epoch, num_examples, num_train_samples, total_batch, batches, max_steps = values
+        schedule = self.gradacc.accumulation_schedule
+        epoch, done = stock_position(
+            point.global_step, num_update_steps_per_epoch=steps_per_epoch, batches_per_epoch=batches,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, schedule=schedule,
         )  # fmt: skip
-        logger.info(f"  Accumulation schedule = {schedule} (lr_scaling={self.gradacc.lr_scaling!r}), {run.max_steps} steps")
-        return (run.num_train_epochs, run.num_update_steps_per_epoch, values[2], run.num_train_samples, values[4],
-                run.steps_in_epoch, run.max_steps)  # fmt: skip
+        stock_samples = min(done * self._train_batch_size * args.world_size, len(self.train_dataset))
+        if not point.changed and (epoch, stock_samples) == (point.epoch, point.num_samples):
+            return values  # the stock skip lands on the recorded position: resumed as before, bit for bit
+        if not args.ignore_data_skip and not skip_first_samples(dataloader, point.num_samples):
+            raise GradAccConfigError(
+                f"Resuming at sample {point.num_samples} of epoch {point.epoch} ({', '.join(point.changed)}) needs the "
+                f"training dataloader's index sampler, and {type(dataloader).__name__} has none under a BatchSampler. "
+                "Resume with the checkpoint's layout, or set `resume_data_mismatch='accept'`."
+            )
+        self._resume_at = point
+        remaining = len(dataloader) if not args.ignore_data_skip else batches  # micro-batches per rank left
+
+        def steps_of(first_step: int, num_batches: int) -> int:
+            if schedule is not None:
+                return schedule.steps_per_epoch(first_step, num_batches)
+            return math.ceil(num_batches / args.gradient_accumulation_steps)
+
+        step, epoch = point.global_step + steps_of(point.global_step, remaining), point.epoch + 1
+        if args.max_steps > 0:  # the steps asked for; as many epochs as they take
+            while step < args.max_steps:
+                step, epoch = step + steps_of(step, batches), epoch + 1
+            return (epoch, steps_per_epoch, num_examples, num_train_samples, total_batch, batches, max_steps)
+        while epoch < args.num_train_epochs:  # the epochs asked for; a fraction of one takes that part of its steps
+            in_epoch = steps_of(step, batches)
+            step += in_epoch if args.num_train_epochs - epoch >= 1 else math.ceil((args.num_train_epochs - epoch) * in_epoch)
+            epoch += 1
+        return (num_train_epochs, steps_per_epoch, num_examples, num_train_samples, total_batch, batches, step)
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial):
         """`Trainer._init_training_state`; a resumed run under an ``accumulation_schedule`` finds its epoch and the
@@ -571,6 +642,21 @@ class GradAccMixin:
         if schedule is not None and self.state.global_step > 0:
             epochs_trained, done = schedule.locate(self.state.global_step, self._batches_per_epoch)
             steps_trained = 0 if self.args.ignore_data_skip else done
+        point = self._resume_at
+        if point is not None and resume_from_checkpoint is not None:
+            # The recorded position, not `global_step` over THIS run's steps per epoch (wrong after a change).
+            epochs_trained, steps_trained = point.epoch, 0
+            skipped = "no sample is skipped (`ignore_data_skip=True`)" if self.args.ignore_data_skip else (
+                f"training continues from sample {point.num_samples} of epoch {point.epoch}'s order, in this run's "
+                "layout, every remaining sample once"
+            )  # fmt: skip
+            change = (f"with another data layout ({', '.join(point.changed)})" if point.changed else
+                      "at the position its record gives (an earlier resume changed the layout)")  # fmt: skip
+            logger.warning(
+                f"Resuming {resume_from_checkpoint!r} {change}: the checkpoint (step "
+                f"{point.global_step}) had trained the first {point.num_samples} samples of epoch {point.epoch}; "
+                f"{skipped}; {max_steps} optimizer steps in all."
+            )
         return epochs_trained, steps_trained
 
     # ------------------------------------------------------------------ logging, evaluation, the end

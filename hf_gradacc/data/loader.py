@@ -11,7 +11,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from transformers.utils import logging
 
 from ..compat import shard_even_batches
@@ -301,6 +301,53 @@ def _scheduled_windows(accumulation: Callable[[], int], left: int) -> Iterator[i
         size = min(accumulation(), left)
         yield size
         left -= size
+
+
+class SkipFirstSamples(Sampler):
+    """An index sampler that leaves out the first ``num_samples`` indices of ``sampler``'s NEXT pass (one epoch),
+    then passes every later pass through whole. Batching, sharding over ranks and the epoch's seed stay with the
+    loader: a resumed run re-batches the rest of the epoch's order in its own layout.
+
+    Example:
+        ```python
+        from torch.utils.data import SequentialSampler
+
+        sampler = SkipFirstSamples(SequentialSampler(range(6)), 4)
+        assert (len(sampler), list(sampler), list(sampler)) == (2, [4, 5], [0, 1, 2, 3, 4, 5])
+        ```
+    """
+
+    def __init__(self, sampler: Any, num_samples: int) -> None:
+        self.sampler, self.num_samples = sampler, num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.num_samples = self.num_samples, 0
+        return itertools.islice(iter(self.sampler), skip, None)
+
+    def __len__(self) -> int:
+        return max(len(self.sampler) - self.num_samples, 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
+def skip_first_samples(dataloader: Any, num_samples: int) -> bool:
+    """Make the next epoch of ``dataloader`` (stock or prepared by accelerate) leave out the first ``num_samples``
+    samples of the epoch's order, before batching and sharding; False when it has no index sampler under a
+    `BatchSampler` to do it on."""
+    node = getattr(dataloader, "batch_sampler", None)
+    for _ in range(4):  # DataLoaderShard -> BatchSamplerShard -> BatchSampler
+        if hasattr(node, "batch_sampler"):  # a wrapper (accelerate's shard is a BatchSampler too): go under it
+            node = node.batch_sampler
+            continue
+        if isinstance(node, BatchSampler) and node.sampler is not None:
+            if not isinstance(node.sampler, SkipFirstSamples):
+                node.sampler = SkipFirstSamples(node.sampler, 0)
+            node.sampler.num_samples = num_samples
+            return True
+        return False
+    return False
 
 
 def check_train_dataset(dataset: Any) -> None:

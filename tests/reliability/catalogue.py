@@ -243,8 +243,9 @@ def _resume_damaged(damage: str, explicit: bool) -> str:
     return out
 
 
-def _resume_changed(**change: Any) -> None:
-    """Saved at step 1 of 3 with batch 2 x GA 4, resumed with ``change``."""
+def _resume_changed(num_resumed_samples: int = BS * GA * 3, num_steps: int | None = None, **change: Any) -> None:
+    """Saved at step 1 of 3 with batch 2 x GA 4, resumed with ``change`` (and the first ``num_resumed_samples``
+    samples); ``num_steps``: the optimizer steps the resumed run must end at."""
     out = tempfile.mkdtemp(prefix="hf_gradacc_changed_")
     samples = _samples(n=BS * GA * 3, seed=16)
     kwargs = dict(output_dir=out, max_steps=-1, num_train_epochs=1, save_strategy="steps", save_steps=1)
@@ -252,8 +253,11 @@ def _resume_changed(**change: Any) -> None:
                    data_collator=PaddingCollator()).train()  # fmt: skip
     args = one_step_args(args_class=GradAccConfig, **{"per_device_train_batch_size": BS,
                                                       "gradient_accumulation_steps": GA, **kwargs, **change})  # fmt: skip
-    GradAccTrainer(model=build_tiny_model("causal_lm"), args=args, train_dataset=ListDataset(samples),
-                   data_collator=PaddingCollator()).train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))  # fmt: skip
+    resumed = GradAccTrainer(model=build_tiny_model("causal_lm"), args=args,
+                             train_dataset=ListDataset(samples[:num_resumed_samples]), data_collator=PaddingCollator())
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))  # fmt: skip
+    if num_steps is not None:
+        assert resumed.state.global_step == num_steps, resumed.state.global_step
 
 
 def _resume_nothing() -> None:
@@ -523,16 +527,29 @@ CASES: list[Case] = [
          lambda: _resume_damaged("optimizer", explicit=True), "GradAccConfigError",
          ("optimizer.pt is missing", "fresh optimizer moments", "resume_from_checkpoint=True"),
          result="never a silent fresh start"),
-    Case("resume_changed_ga", "resuming mid-epoch with another `gradient_accumulation_steps` (4 -> 2)", "error",
-         lambda: _resume_changed(gradient_accumulation_steps=2), "GradAccConfigError",
-         ("gradient_accumulation_steps=4 (this run: 2)", "samples would be lost or trained twice"),
-         result="the stock Trainer skips global_step x the NEW samples per step, silently"),
-    Case("resume_changed_batch", "resuming mid-epoch with another per-device batch (2 -> 4)", "error",
-         lambda: _resume_changed(per_device_train_batch_size=4), "GradAccConfigError",
-         ("per_device_train_batch_size=2 (this run: 4)",)),
-    Case("resume_changed_schedule", "resuming mid-epoch with an `accumulation_schedule` added", "error",
-         lambda: _resume_changed(accumulation_schedule="0:4,2:8"), "GradAccConfigError",
-         ("accumulation_schedule=None",)),
+    Case("resume_changed_ga", "resuming mid-epoch with another `gradient_accumulation_steps` (4 -> 2)", "warning",
+         lambda: _resume_changed(gradient_accumulation_steps=2, num_steps=5),
+         words=("gradient_accumulation_steps 4 -> 2", "first 8 samples of epoch 0", "continues from sample 8"),
+         result="resumes at the checkpoint's sample of the epoch's order, every remaining sample once (the stock "
+                "Trainer skips global_step x the NEW samples per step, silently)"),
+    Case("resume_changed_batch", "resuming mid-epoch with another per-device batch (2 -> 4)", "warning",
+         lambda: _resume_changed(per_device_train_batch_size=4, num_steps=2),
+         words=("per_device_train_batch_size 2 -> 4", "continues from sample 8"),
+         result="the rest of the epoch re-batched by 4"),
+    Case("resume_changed_schedule", "resuming mid-epoch with an `accumulation_schedule` added", "warning",
+         lambda: _resume_changed(accumulation_schedule="0:4,2:8", num_steps=3),
+         words=("accumulation_schedule None -> '0:4,2:8'", "continues from sample 8"),
+         result="the rest of the epoch in the schedule's windows"),
+    Case("resume_changed_seed", "resuming mid-epoch with another `seed` (the epoch's order changes)", "error",
+         lambda: _resume_changed(seed=1), "GradAccConfigError",
+         ("seed=42 (this run: 1)", "samples would be lost or trained twice", "resume_data_mismatch='accept'")),
+    Case("resume_changed_dataset", "resuming mid-epoch on a dataset of another length", "error",
+         lambda: _resume_changed(num_resumed_samples=20), "GradAccConfigError",
+         ("num_train_samples=24 (this run: 20)", "resume_data_mismatch='accept'")),
+    Case("resume_mismatch_accepted", "the same, with `resume_data_mismatch='accept'`", "warning",
+         lambda: _resume_changed(seed=1, resume_data_mismatch="accept", num_steps=3),
+         words=("seed=42 (this run: 1)", "samples may be lost or trained twice"),
+         result="the stock resume (skips global_step x the samples per step)"),
     Case("resume_no_checkpoint", "`resume_from_checkpoint=True` with no checkpoint", "error", _resume_nothing,
          "GradAccConfigError", ("no complete checkpoint",)),
     Case("not_an_oom", "`auto_micro_batch` and a RuntimeError that mentions 'out of memory'", "error", _not_an_oom,

@@ -197,18 +197,21 @@ def _truncate(path: str) -> None:
     ],
     ids=["ga", "batch", "seed", "schedule", "world_size"],
 )
-def test_resuming_with_another_data_layout_is_a_clear_error(saved, tmp_path, change, named) -> None:
-    """The resume skips global_step x THIS run's samples per step: a changed layout would lose or repeat samples."""
+def test_resuming_an_unrecorded_position_with_another_data_layout_is_a_clear_error(saved, tmp_path, change, named) -> None:
+    """A record without its position in samples (written before hf_gradacc recorded it): the resume would skip
+    global_step x THIS run's samples per step, so a changed layout would lose or repeat samples. (With the position,
+    a changed batch, GA, schedule or world size resumes exactly: tests/unit/test_resume_layout.py.)"""
     out, _ = saved
     folder = str(tmp_path / "checkpoint-1")
     shutil.copytree(os.path.join(out, "checkpoint-1"), folder)
     overrides = dict(change)
+    path = os.path.join(folder, ckpt.DATA_NAME)
+    layout = json.load(open(path))
+    del layout[ckpt.POSITION_KEY]
     if "world_size" in overrides:  # the checkpoint's record says 2 ranks
-        path = os.path.join(folder, ckpt.DATA_NAME)
-        layout = json.load(open(path))
         layout["world_size"] = overrides.pop("world_size")
-        json.dump(layout, open(path, "w"))
-        ckpt._write_marker(folder)
+    json.dump(layout, open(path, "w"))
+    ckpt._write_marker(folder)
     with pytest.raises(GradAccConfigError) as info:
         _trainer(str(tmp_path), **overrides).train(resume_from_checkpoint=folder)
     assert named in str(info.value) and "samples would be lost" in str(info.value), str(info.value)

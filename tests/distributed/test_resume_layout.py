@@ -1,0 +1,85 @@
+"""Resuming by samples across a change of world size, and the final ``train_loss`` on 2 ranks.
+
+A checkpoint of 2 DDP ranks resumed on 1 process, and one of 1 process resumed on 2 ranks: the samples trained before
+the checkpoint (the first ``k x batch x world size`` of the epoch's order: rank r takes every 2nd micro-batch of the
+order) plus those trained after it are every sample of the epoch once (:mod:`workers.resume_layout_cases` records
+each step's samples on every rank). One process runs in the test itself, the 2-rank run through the launcher.
+
+``train_loss`` on 2 ranks with no step logged during training (``logging_steps=500``, 2 steps) is the mean of the
+step losses logged by the same run with ``logging_steps=1``, on both ranks: the loss accumulated since the last log
+is reduced over ranks before `Trainer` adds it to the total.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.launcher import run_workers
+from tests.distributed.workers.resume_layout_cases import NUM_SAMPLES, train_run
+
+WORKER = Path(__file__).resolve().parent / "workers" / "resume_layout_cases.py"
+
+pytestmark = [pytest.mark.distributed]
+
+
+def _launch(tmp: Path, name: str, *args: str) -> list[dict]:
+    result = run_workers(WORKER, nproc=2, args=["--name", name, *args], timeout=300, out_dir=tmp / "results")
+    ranks = result.load(name)
+    for r, payload in enumerate(ranks):
+        if "error" in payload:
+            pytest.fail(f"rank {r} failed:\n{payload['error']}", pytrace=False)
+    return ranks
+
+
+def _ids(steps, first: int = 0, end: int | None = None) -> list[int]:
+    return [i for step, ids in steps if first <= step and (end is None or step < end) for i in ids]
+
+
+def _assert_once_each(ids: list[int]) -> None:
+    counts = collections.Counter(ids)
+    assert sorted(counts) == list(range(NUM_SAMPLES)) and max(counts.values()) == 1, sorted(counts.items())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """Run A on 2 ranks (batch 2, GA 2: 3 steps of 8 samples), then the two runs of the train_loss check."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    return tmp, _launch(tmp, "a", "--out", str(tmp / "a"), "--batch", "2", "--ga", "2", "--loss-check")
+
+
+def test_world_size_2_to_1(two_ranks, tmp_path) -> None:
+    tmp, (a, _) = two_ranks
+    b = train_run(str(tmp_path), batch=2, ga=2, resume=str(tmp / "a" / "checkpoint-1"))
+    assert [len(ids) for _, ids in a["steps"]] == [8, 8, 8]
+    assert [(step, len(ids)) for step, ids in b["steps"]] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    _assert_once_each(_ids(a["steps"], end=1) + _ids(b["steps"]))
+    assert sorted(_ids(b["steps"])) == sorted(_ids(a["steps"], first=1))
+    found = [m for m in b["warnings"] if "world_size 2 -> 1" in m]
+    assert len(found) == 1 and "first 8 samples of epoch 0" in found[0], b["warnings"]
+
+
+def test_world_size_1_to_2(tmp_path) -> None:
+    a = train_run(str(tmp_path / "a"), batch=2, ga=2)  # one process: 6 steps of 4 samples
+    ranks = _launch(tmp_path, "b", "--out", str(tmp_path / "b"), "--batch", "2", "--ga", "2",
+                    "--resume", str(tmp_path / "a" / "checkpoint-2"))  # fmt: skip
+    for b in ranks:
+        assert [(step, len(ids)) for step, ids in b["steps"]] == [(2, 8), (3, 8)]
+        _assert_once_each(_ids(a["steps"], end=2) + _ids(b["steps"]))
+        assert sorted(_ids(b["steps"])) == sorted(_ids(a["steps"], first=2))
+    found = [m for m in ranks[0]["warnings"] if "world_size 1 -> 2" in m]
+    assert len(found) == 1 and "first 8 samples of epoch 0" in found[0], ranks[0]["warnings"]
+
+
+def test_train_loss_is_the_mean_of_the_step_losses_on_every_rank(two_ranks) -> None:
+    _, ranks = two_ranks
+    every_step = ranks[0]["loss_check"]["logging_steps_1"]
+    assert len(every_step["step_losses"]) == 2
+    mean = sum(every_step["step_losses"]) / 2
+    for payload in ranks:
+        unlogged = payload["loss_check"]["logging_steps_500"]
+        assert unlogged["step_losses"] == []
+        assert unlogged["train_loss"] == pytest.approx(mean, rel=1e-6), (unlogged["train_loss"], mean)
+        assert payload["loss_check"]["logging_steps_1"]["train_loss"] == pytest.approx(mean, rel=1e-6)
