@@ -326,6 +326,7 @@ class GradAccMixin:
         first_sample = self._resume_at.num_samples if relayout and not self.args.ignore_data_skip else 0
         if relayout:
             steps_in_epoch = len(train_dataloader)  # the micro-batches left after the skipped samples, per rank
+            num_update_steps_per_epoch = math.ceil(steps_in_epoch / self.args.gradient_accumulation_steps)
         num_samples = len(self.train_dataset) if prefix_blocker(self) is None else None
         samples_per_micro_batch = self._train_batch_size * self.args.world_size
         plan = plan_epoch(

@@ -157,3 +157,23 @@ def test_accept_resumes_with_a_warning(run_a, tmp_path) -> None:
     b = train_run(str(tmp_path), batch=2, ga=2, seed=1, mismatch="accept", resume=os.path.join(out, "checkpoint-2"))
     assert b["global_step"] == a["global_step"]
     assert any("seed=0 (this run: 1)" in m and "resume_data_mismatch='accept'" in m for m in b["warnings"])
+
+
+def test_max_steps_set_by_the_user_runs_on_into_the_next_epoch(tmp_path) -> None:
+    """``max_steps=7`` with GA 4 after a checkpoint at step 2 of GA 2: 2 steps finish epoch 0 (16 samples), 3 more
+    take the whole of epoch 1, and the run stops at step 7."""
+    a = train_run(str(tmp_path / "a"), batch=2, ga=2, epochs=2)
+    b = train_run(str(tmp_path / "b"), batch=2, ga=4, max_steps=7, resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert [(step, len(ids)) for step, ids in b["steps"]] == [(2, 8), (3, 8), (4, 8), (5, 8), (6, 8)]
+    _assert_once_each(_ids(a["steps"], end=2) + _ids(b["steps"], end=4))
+    _assert_once_each(_ids(b["steps"], first=4))
+    assert b["global_step"] == 7
+
+
+def test_ignore_data_skip_starts_the_recorded_epoch_from_its_first_sample(tmp_path) -> None:
+    a = train_run(str(tmp_path / "a"), batch=2, ga=2, epochs=2)
+    b = train_run(str(tmp_path / "b"), batch=2, ga=4, epochs=2, ignore_data_skip=True,
+                  resume=str(tmp_path / "a" / "checkpoint-8"))  # fmt: skip
+    assert [step for step, _ in b["steps"]] == [8, 9, 10]
+    assert _ids(b["steps"]) == _ids(a["steps"], first=6), "all of epoch 1, in its order"
+    assert "no sample is skipped" in _one_layout_warning(b)
