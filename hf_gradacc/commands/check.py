@@ -333,9 +333,12 @@ def _check_every_head(opts: argparse.Namespace) -> int:
                 loaded.model, loaded.task, samples, PaddingCollator(pad_token_id=loaded.pad_token_id), step_kwargs,
                 scenario=case.scenario, verbose=opts.verbose,
             )  # fmt: skip
-        except (GradAccConfigError, UnsupportedBackendError) as exc:
-            # A head this backend cannot take (e.g. a model FSDP2 cannot wrap): the other heads still tell.
-            rows.append(replace(row, skipped=str(exc).splitlines()[0]))
+        except (GradAccConfigError, UnsupportedBackendError, NotImplementedError) as exc:
+            # A head this backend cannot take (a model FSDP2 cannot wrap: hf_gradacc's error for BERT, accelerate's
+            # NotImplementedError for ConvNeXt, raised alike on every rank before any collective): the other heads
+            # still tell.
+            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+            rows.append(replace(row, skipped=reason if len(reason) <= 140 else reason[:139] + "…"))
             continue
         except GradAccError as exc:
             if is_main:

@@ -251,8 +251,12 @@ def heads_summary_line(rows: Sequence[HeadResult], tolerance: float) -> str:
     worst = max(r.ours.relative_error for r in ran)
     wrong = sum(not r.stock.is_exact(tolerance) for r in ran)
     not_exact = [r.key for r in ran if not r.ours.is_exact(tolerance)]
+    skipped = len(rows) - len(ran)
+    heads = f"{len(ran)} heads" + (f" that ran ({skipped} skipped)" if skipped else "")
     if not_exact:
         head = f"hf-gradacc check: GradAccTrainer is NOT exact on {', '.join(not_exact)} (largest rel err {worst:.1e} > {tolerance:g})"
     else:
-        head = f"hf-gradacc check: GradAccTrainer is exact on all {len(ran)} heads (largest rel err {worst:.1e} <= {tolerance:g})"
+        head = (
+            f"hf-gradacc check: GradAccTrainer is exact on all {heads} (largest rel err {worst:.1e} <= {tolerance:g})"
+        )
     return f"{head}; stock Trainer is wrong on {wrong} of {len(ran)}"

@@ -367,7 +367,11 @@ def test_check_exit_status_of_trainer_errors(monkeypatch, capsys, error, status)
     "error, status, message",
     [
         # every head refused by the set-up: nothing ran, a setting to change
-        ("GradAccConfigError", cli.EXIT_USAGE, "error: no built-in head could run under this set-up:\n  causal_lm: `"),
+        (
+            "GradAccConfigError",
+            cli.EXIT_USAGE,
+            "error: no built-in head could run under this set-up:\n  causal_lm: GradAccConfigError: `",
+        ),
         ("GradAccDataError", cli.EXIT_NOT_EXACT, "error: causal_lm: `gradient_accumulation_steps` (3)"),
     ],
 )
@@ -383,16 +387,19 @@ def test_check_default_exit_status_of_trainer_errors(monkeypatch, capsys, error,
     assert message in capsys.readouterr().err
 
 
-def test_check_default_skips_a_head_the_set_up_refuses(monkeypatch, capsys):
-    """A head the backend cannot take (FSDP2 and BERT, say) is a skipped row; the others still decide the status."""
-    from hf_gradacc.errors import UnsupportedBackendError
+@pytest.mark.parametrize("error", ["UnsupportedBackendError", "NotImplementedError"])
+def test_check_default_skips_a_head_the_set_up_refuses(monkeypatch, capsys, error):
+    """A head the backend cannot take is a skipped row with the reason; the others still decide the status. FSDP2
+    refuses BERT with hf_gradacc's error and ConvNeXt with accelerate's NotImplementedError (get_input_embeddings)."""
+    from hf_gradacc import errors
     from hf_gradacc.testing import one_step as check
 
     real = check.one_step_update
+    exc_class = getattr(errors, error, None) or NotImplementedError
 
     def refuse_bert(trainer_class, model, *args, **kwargs):
         if type(model).__name__.startswith("Bert"):
-            raise UnsupportedBackendError("BertForMaskedLM cannot be wrapped here")
+            raise exc_class(f"{type(model).__name__} cannot be wrapped here:\nset something")
         return real(trainer_class, model, *args, **kwargs)
 
     monkeypatch.setattr(check, "one_step_update", refuse_bert)
@@ -400,8 +407,9 @@ def test_check_default_skips_a_head_the_set_up_refuses(monkeypatch, capsys):
     out = capsys.readouterr().out
     skipped = [line.split() for line in out.splitlines() if " skipped " in line]
     assert skipped and all(cells[1] == "skipped" for cells in skipped), out
-    assert "BertForMaskedLM cannot be wrapped here" in out
-    assert f"exact on all {len(HEAD_CASES) - len(skipped)} heads" in out.strip().splitlines()[-1]
+    assert f"{error}: BertForMaskedLM cannot be wrapped here: set something" in out
+    ran = len(HEAD_CASES) - len(skipped)
+    assert f"exact on all {ran} heads that ran ({len(skipped)} skipped)" in out.strip().splitlines()[-1]
 
 
 # ---------------------------------------------------------------------------------------------- --trainer sft / dpo
