@@ -1,8 +1,8 @@
 """`fused_lm_head=True` on 2 CPU ranks (gloo) under DDP, DeepSpeed ZeRO-1/2/3 and FSDP2: one optimizer step equals the
-float64 full-batch step (relative error <= 1e-5) on mixed lengths, heavy padding and masked prompts, for a causal LM
-and a mixture of experts (its router term beside the fused loss); a 1 % denominator error is seen; a rank whose first
-micro-batch has no counted target still runs the start-up check's forwards (no rank waits); one rank's failed check
-stops every rank. One torchrun launch per backend (workers/fused_head_cases.py).
+float64 full-batch step (relative error <= 1e-5) on mixed lengths, heavy padding and masked prompts, for a causal LM,
+packed micro-batches and a mixture of experts (its router term beside the fused loss); a 1 % denominator error is
+seen; a rank whose first micro-batch has no counted target still runs the start-up check's forwards (no rank
+waits); one rank's failed check stops every rank. One torchrun launch per backend (workers/fused_head_cases.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ CASES = [
     {"name": "exact"},
     {"name": "off_by_one_percent", "off_by": 1.01},
     {"name": "moe", "moe": "mixtral"},
+    {"name": "packed", "packed": True},
     {"name": "empty_first", "empty_first": True},
     {"name": "wrong_transform_on_rank1", "wrong_transform_on": 1, "expect_error": True},  # last: it stops training
 ]
@@ -48,6 +49,15 @@ def test_one_step_is_exact_and_every_counted_target_goes_through_the_fused_head(
 def test_a_one_percent_denominator_error_is_outside_the_tolerance(launch):
     backend, results = launch
     assert results["off_by_one_percent"][0]["relative_error"] > 5e-3, backend
+
+
+def test_packed_micro_batches_are_exact(launch):
+    """Rows holding several documents (shift_labels, position_ids): every counted target of the step goes through
+    the fused head once, on some rank, and the step is exact."""
+    backend, results = launch
+    rank0, rank1 = results["packed"]
+    assert rank0["relative_error"] <= TOLERANCE, (backend, rank0)
+    assert sum(rank0["fused_rows"]) + sum(rank1["fused_rows"]) == rank0["step_counted"], (backend, rank0, rank1)
 
 
 def test_the_router_term_of_a_mixture_of_experts_is_exact(launch):

@@ -14,7 +14,7 @@ the float64 full-batch reference over the micro-batches of every rank, as the ot
 have mixed lengths (2 to 60 tokens: heavy padding), prompts masked with -100 (70 % of a row on average) and rows
 without any counted label.
 
-Case keys: name; moe (a tiny mixture-of-experts family: the router term joins the fused loss); off_by (every fused
+Case keys: name; packed (``pack_micro_batches=True``: rows holding several documents); moe (a tiny mixture-of-experts family: the router term joins the fused loss); off_by (every fused
 loss sum divided by this, with the start-up check off: the test must see the error); empty_first (rank 1's first
 micro-batch has no counted label: its start-up check runs a dummy row, no rank waits); wrong_transform_on (this rank
 alone applies a logit transform the model does not have, a scale of 1.5: the start-up check must stop EVERY rank);
@@ -70,6 +70,8 @@ def _args(backend: str, case: dict[str, Any]) -> GradAccConfig:
         overrides["accelerator_config"] = {"even_batches": False}  # no repeated samples in the short micro-batch
     if case.get("off_by"):
         overrides["check_loss_at_start"] = False
+    if case.get("packed"):  # several documents per row (shift_labels, position_ids), at most 60 tokens a row
+        overrides.update(pack_micro_batches=True, max_tokens_per_micro_batch=60)
     return one_step_args(
         tempfile.mkdtemp(prefix="hf_gradacc_fused_"),
         per_device_train_batch_size=PER_DEVICE_BATCH,
@@ -99,6 +101,8 @@ def run_case(case: dict[str, Any], backend: str, rank: int, world: int) -> dict[
     samples = make_samples("causal_lm", world * PER_DEVICE_BATCH * GRAD_ACC - bool(moe), seed=3, min_length=2,
                            max_length=60, ignore_fraction=0.7)  # fmt: skip
     base = build_tiny_moe(moe) if moe else build_tiny_model("causal_lm")
+    if case.get("packed"):
+        base.config._attn_implementation = "sdpa"  # honours packed position_ids
     work = copy.deepcopy(base)
     initial = {n: p.detach().clone() for n, p in work.named_parameters() if p.requires_grad}
     micro_batches: list[list[dict[str, Any]]] = []  # this rank's, as trained
@@ -146,11 +150,13 @@ def run_case(case: dict[str, Any], backend: str, rank: int, world: int) -> dict[
     every_rank: list[Any] = [None] * world
     dist.all_gather_object(every_rank, micro_batches)
     trained = [mb for per_rank in every_rank for mb in per_rank]
+    result["step_counted"] = sum(sum(t != -100 for t in s["labels"][1:]) for s in samples)
     result.update(fused_rows=fused_rows, counted=[sum(sum(t != -100 for t in f["labels"][1:]) for f in mb)
                                                   for mb in micro_batches])  # fmt: skip
     result["distributed_type"] = str(trainer.accelerator.distributed_type)
     if rank == 0:
-        reference = reference_gradients(base, [f for mb in trained for f in mb], "causal_lm", PaddingCollator(),
+        step = samples if case.get("packed") else [f for mb in trained for f in mb]  # packed: the step is the set
+        reference = reference_gradients(base, step, "causal_lm", PaddingCollator(),
                                         micro_batches=trained if moe else None)  # fmt: skip
         update = {n: initial[n] - final[n] for n in initial if n in final}
         c = compare(update, reference)
