@@ -144,7 +144,8 @@ class GradAccArguments:
         metadata={
             "help": "Causal LMs: apply the LM head only to the positions whose target counts, in tiles, never "
             "materialising [tokens x vocabulary] logits (exact SUM and gradient). True: on (an unsupported model or "
-            "setup raises); None (default) and False: off. One process only for now; see docs/memory.md."
+            "setup raises); None (default) and False: off. One process, DDP, DeepSpeed ZeRO-1/2/3 and FSDP2; see "
+            "docs/memory.md."
         },
     )
     regroup_micro_batches: bool = field(
