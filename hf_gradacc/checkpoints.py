@@ -289,7 +289,7 @@ class DataPosition:
     Attributes:
         epoch: the epoch in progress (0-based).
         num_samples: samples of the epoch's order trained, the first ``num_samples`` of it; None when what was
-            trained is not a prefix of the order (regrouped or packed micro-batches, a dataset without a length).
+            trained is not a prefix of the order (a dataset without a length, ``group_by_length``).
         num_micro_batches: micro-batches per rank trained in the epoch by the run that saved.
         epoch_done: every micro-batch of the epoch was trained (the next one starts the next epoch).
     """
@@ -319,14 +319,11 @@ class ResumePoint:
 
 def prefix_blocker(trainer: Any) -> str | None:
     """Why ``trainer``'s trained samples are not a prefix of the epoch's order (so a position in samples means
-    nothing), or None when they are: regrouped or packed micro-batches, a dataset without a length, a sampler whose
-    order depends on the batch size (``group_by_length``)."""
+    nothing), or None when they are: a dataset without a length, a sampler whose order depends on the batch size
+    (``group_by_length``). Regrouped and packed windows keep each stock window's samples, a prefix of the order."""
     from transformers.trainer_utils import has_length
 
-    settings, args = trainer.gradacc, trainer.args
-    if settings.regroups:
-        return "micro-batches are regrouped or packed (`regroup_micro_batches`, `max_tokens_per_micro_batch`, " \
-               "`pack_micro_batches`): a step's samples are not the next ones of the epoch's order"  # fmt: skip
+    args = trainer.args
     if trainer.train_dataset is None or not has_length(trainer.train_dataset):
         return "the training dataset has no length (an IterableDataset): there is no epoch order to count in"
     strategy = getattr(args, "train_sampling_strategy", "random")
@@ -427,7 +424,7 @@ def check_data_layout(
     if differs and not hard:
         if position is None or position.num_samples is None:
             why_not = "the checkpoint did not record its position in samples" + (
-                " (it was saved with regrouped or packed micro-batches, or without a dataset length)"
+                " (its samples were not a prefix of the epoch's order: no dataset length, or group_by_length)"
                 if position is not None else " (saved by an older hf_gradacc)"
             )  # fmt: skip
         elif blocker is not None:

@@ -213,7 +213,8 @@ class GradAccArguments:
         default="error",
         metadata={
             "help": "A resumed checkpoint whose data position cannot be carried over to this run (another dataset "
-            "length, seed or data_seed, regrouping / packing settings, or a changed batch layout with regrouping): "
+            "length, seed or data_seed, regrouping / packing settings, or a changed batch layout under "
+            "`train_sampling_strategy='group_by_length'`): "
             "'error' (GradAccConfigError naming the difference) or 'accept' (resume anyway, skipping the "
             "checkpoint's optimizer steps in this run's layout, with a warning). A changed batch size, "
             "gradient_accumulation_steps, accumulation_schedule or world size alone is carried over exactly."

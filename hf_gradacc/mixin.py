@@ -42,6 +42,7 @@ from .data.loader import (
     build_train_dataloader,
     check_train_dataset,
     fetch_batches,
+    find_regroup_sampler,
     plan_epoch,
     skip_first_samples,
 )
@@ -324,11 +325,19 @@ class GradAccMixin:
         # Where the epoch stands in samples of its order (None: not a prefix of it), recorded by each checkpoint.
         relayout = resuming and self._resume_at is not None
         first_sample = self._resume_at.num_samples if relayout and not self.args.ignore_data_skip else 0
+        regrouped = find_regroup_sampler(train_dataloader)
         if relayout:
             steps_in_epoch = len(train_dataloader)  # the micro-batches left after the skipped samples, per rank
-            num_update_steps_per_epoch = math.ceil(steps_in_epoch / self.args.gradient_accumulation_steps)
+            num_update_steps_per_epoch = (
+                regrouped.num_windows if regrouped is not None
+                else math.ceil(steps_in_epoch / self.args.gradient_accumulation_steps)
+            )  # fmt: skip
         num_samples = len(self.train_dataset) if prefix_blocker(self) is None else None
         samples_per_micro_batch = self._train_batch_size * self.args.world_size
+        # Regrouped or packed windows keep each stock window's samples (GA x batch x ranks of the order), not its
+        # micro-batches: count windows there.
+        samples_per_window = samples_per_micro_batch * self.args.gradient_accumulation_steps
+        windows_done = skip // self.args.gradient_accumulation_steps
         plan = plan_epoch(
             train_dataloader,
             epoch,
@@ -355,6 +364,7 @@ class GradAccMixin:
                 if tr_loss_step is DATA_RAN_OUT:
                     break  # the data ran out on every rank: the epoch ends here, nothing is carried over
                 step += window.num_micro_batches
+                windows_done += 1
                 if tr_loss_step is None:
                     continue  # no counted item on any rank: skipped, parameters unchanged
                 stepped = optimizer_step(self, window)
@@ -374,7 +384,8 @@ class GradAccMixin:
                 self._window = None
             self.state.global_step += 1
             self.state.epoch = epoch + (step + 1) / steps_in_epoch
-            trained = None if num_samples is None else min(first_sample + (step + 1) * samples_per_micro_batch, num_samples)
+            done = windows_done * samples_per_window if regrouped is not None else (step + 1) * samples_per_micro_batch
+            trained = None if num_samples is None else min(first_sample + done, num_samples)
             self.data_position = DataPosition(
                 epoch=epoch, num_samples=trained, num_micro_batches=step + 1, epoch_done=step + 1 >= steps_in_epoch
             )
@@ -608,7 +619,7 @@ class GradAccMixin:
         stock_samples = min(done * self._train_batch_size * args.world_size, len(self.train_dataset))
         if not point.changed and (epoch, stock_samples) == (point.epoch, point.num_samples):
             return values  # the stock skip lands on the recorded position: resumed as before, bit for bit
-        if not args.ignore_data_skip and not skip_first_samples(dataloader, point.num_samples):
+        if not args.ignore_data_skip and not skip_first_samples(dataloader, point.num_samples, point.epoch):
             raise GradAccConfigError(
                 f"Resuming at sample {point.num_samples} of epoch {point.epoch} ({', '.join(point.changed)}) needs the "
                 f"training dataloader's index sampler, and {type(dataloader).__name__} has none under a BatchSampler. "
@@ -616,13 +627,15 @@ class GradAccMixin:
             )
         self._resume_at = point
         remaining = len(dataloader) if not args.ignore_data_skip else batches  # micro-batches per rank left
+        regrouped = find_regroup_sampler(dataloader)
 
         def steps_of(first_step: int, num_batches: int) -> int:
             if schedule is not None:
                 return schedule.steps_per_epoch(first_step, num_batches)
             return math.ceil(num_batches / args.gradient_accumulation_steps)
 
-        step, epoch = point.global_step + steps_of(point.global_step, remaining), point.epoch + 1
+        left = regrouped.num_windows if regrouped is not None else steps_of(point.global_step, remaining)
+        step, epoch = point.global_step + left, point.epoch + 1
         if args.max_steps > 0:  # the steps asked for; as many epochs as they take
             while step < args.max_steps:
                 step, epoch = step + steps_of(step, batches), epoch + 1

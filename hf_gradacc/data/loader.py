@@ -304,49 +304,58 @@ def _scheduled_windows(accumulation: Callable[[], int], left: int) -> Iterator[i
 
 
 class SkipFirstSamples(Sampler):
-    """An index sampler that leaves out the first ``num_samples`` indices of ``sampler``'s NEXT pass (one epoch),
-    then passes every later pass through whole. Batching, sharding over ranks and the epoch's seed stay with the
-    loader: a resumed run re-batches the rest of the epoch's order in its own layout.
+    """An index sampler that leaves out the first ``num_samples`` indices of ``sampler``'s order in epoch ``epoch``
+    and passes every other epoch through whole. Batching, regrouping, sharding over ranks and the epoch's seed stay
+    with the loader: a resumed run re-batches the rest of the epoch's order in its own layout. The epoch is the one
+    last given to ``set_epoch`` (the training loop sets it before each epoch), ``epoch`` to begin with.
 
     Example:
         ```python
         from torch.utils.data import SequentialSampler
 
-        sampler = SkipFirstSamples(SequentialSampler(range(6)), 4)
-        assert (len(sampler), list(sampler), list(sampler)) == (2, [4, 5], [0, 1, 2, 3, 4, 5])
+        sampler = SkipFirstSamples(SequentialSampler(range(6)), 4, epoch=1)
+        assert (len(sampler), list(sampler)) == (2, [4, 5])
+        sampler.set_epoch(2)
+        assert list(sampler) == [0, 1, 2, 3, 4, 5]
         ```
     """
 
-    def __init__(self, sampler: Any, num_samples: int) -> None:
-        self.sampler, self.num_samples = sampler, num_samples
+    def __init__(self, sampler: Any, num_samples: int, *, epoch: int) -> None:
+        self.sampler, self.num_samples, self.skip_epoch, self.epoch = sampler, num_samples, epoch, epoch
+
+    def num_skipped(self) -> int:
+        """The samples left out of the current epoch (``num_samples`` in epoch ``epoch``, else 0)."""
+        return self.num_samples if self.epoch == self.skip_epoch else 0
 
     def __iter__(self) -> Iterator[int]:
-        skip, self.num_samples = self.num_samples, 0
-        return itertools.islice(iter(self.sampler), skip, None)
+        return itertools.islice(iter(self.sampler), self.num_skipped(), None)
 
     def __len__(self) -> int:
-        return max(len(self.sampler) - self.num_samples, 0)
+        return max(len(self.sampler) - self.num_skipped(), 0)
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
 
-def skip_first_samples(dataloader: Any, num_samples: int) -> bool:
-    """Make the next epoch of ``dataloader`` (stock or prepared by accelerate) leave out the first ``num_samples``
-    samples of the epoch's order, before batching and sharding; False when it has no index sampler under a
-    `BatchSampler` to do it on."""
+def skip_first_samples(dataloader: Any, num_samples: int, epoch: int) -> bool:
+    """Make epoch ``epoch`` of ``dataloader`` (stock or prepared by accelerate, batched or regrouped) leave out the
+    first ``num_samples`` samples of the epoch's order, before batching and sharding; False when it has no index
+    sampler under its batch sampler to do it on."""
     node = getattr(dataloader, "batch_sampler", None)
-    for _ in range(4):  # DataLoaderShard -> BatchSamplerShard -> BatchSampler
+    for _ in range(4):  # DataLoaderShard -> BatchSamplerShard -> BatchSampler / WindowRegroupBatchSampler
         if hasattr(node, "batch_sampler"):  # a wrapper (accelerate's shard is a BatchSampler too): go under it
             node = node.batch_sampler
             continue
-        if isinstance(node, BatchSampler) and node.sampler is not None:
-            if not isinstance(node.sampler, SkipFirstSamples):
-                node.sampler = SkipFirstSamples(node.sampler, 0)
-            node.sampler.num_samples = num_samples
-            return True
-        return False
+        inner = getattr(node, "sampler", None)
+        if inner is None or not isinstance(node, (BatchSampler, WindowRegroupBatchSampler)):
+            return False
+        if isinstance(inner, SkipFirstSamples):
+            inner = inner.sampler
+        node.sampler = SkipFirstSamples(inner, num_samples, epoch=epoch)
+        node.sampler.set_epoch(epoch)
+        return True
     return False
 
 

@@ -139,9 +139,14 @@ def _edited_checkpoint(out: str, folder: str, **changes) -> str:
         ({}, {"seed": 1}, "seed=0 (this run: 1)"),
         ({}, {"num_samples": 20}, "num_train_samples=24 (this run: 20)"),
         ({"position": None}, {"ga": 4}, "did not record its position in samples"),  # a record of an older hf_gradacc
-        ({"regroup_micro_batches": True}, {"ga": 4, "regroup_micro_batches": True}, "micro-batches are regrouped"),
+        ({"regroup_micro_batches": True}, {"regroup_micro_batches": False}, "regroup_micro_batches=True"),
+        (
+            {"train_sampling_strategy": "group_by_length"},
+            {"ga": 4, "train_sampling_strategy": "group_by_length"},
+            "orders the epoch by batches of this run's size",
+        ),
     ],
-    ids=["seed", "dataset_length", "no_position", "regrouped"],
+    ids=["seed", "dataset_length", "no_position", "regrouping_changed", "group_by_length"],
 )
 def test_what_cannot_be_carried_over_is_refused_with_the_way_out(run_a, tmp_path, edit, run, named) -> None:
     out, _ = run_a
@@ -177,3 +182,19 @@ def test_ignore_data_skip_starts_the_recorded_epoch_from_its_first_sample(tmp_pa
     assert [step for step, _ in b["steps"]] == [8, 9, 10]
     assert _ids(b["steps"]) == _ids(a["steps"], first=6), "all of epoch 1, in its order"
     assert "no sample is skipped" in _one_layout_warning(b)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"regroup_micro_batches": True}, {"max_tokens_per_micro_batch": 40}, {"pack_micro_batches": True}],
+    ids=["regroup", "token_budget", "packed"],
+)
+def test_regrouped_and_packed_windows_resume_by_samples(tmp_path, setting) -> None:
+    """Each regrouped or packed window keeps its stock window's samples (GA x batch of the order), so what a
+    checkpoint trained is a prefix of the order, counted in windows; GA 2 -> 4 from step 2 trains the rest once."""
+    a = train_run(str(tmp_path / "a"), batch=2, ga=2, **setting)
+    b = train_run(str(tmp_path / "b"), batch=2, ga=4, resume=str(tmp_path / "a" / "checkpoint-2"), **setting)
+    assert [(step, len(ids)) for step, ids in b["steps"]] == [(2, 8), (3, 8)]
+    _assert_once_each(_ids(a["steps"], end=2) + _ids(b["steps"]))
+    assert sorted(_ids(b["steps"])) == sorted(_ids(a["steps"], first=2))
+    assert "first 8 samples of epoch 0" in _one_layout_warning(b)

@@ -41,6 +41,10 @@ class SampleRecorder(GradAccCallback):
     def on_window_counted(self, args, state, control, window=None, **kwargs):
         ids = []
         for batch in window.micro_batches:
+            if "cu_seq_lens_q" in batch:  # one packed row: its samples end at the offsets
+                row, ends = batch["input_ids"].reshape(-1).tolist(), batch["cu_seq_lens_q"].tolist()
+                ids += [self.index[tuple(row[a:b])] for a, b in zip(ends[:-1], ends[1:])]
+                continue
             for row, n in zip(batch["input_ids"].cpu(), batch["attention_mask"].sum(-1).tolist()):
                 ids.append(self.index[tuple(row[:n].tolist())])
         self.steps.append((state.global_step, ids))
