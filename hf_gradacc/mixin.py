@@ -36,7 +36,7 @@ from .callbacks.batchnorm import batchnorm_callback_for
 from .checkpoints import DataPosition, ResumePoint, checkpoint_save, prefix_blocker, resolve_resume, stock_position
 from .checks import start_up_check
 from .compat import check_trainer_class
-from .config import GradAccSettings, resolve_settings
+from .config import GradAccArguments, GradAccSettings, resolve_settings
 from .data.loader import (
     adjust_training_values,
     build_train_dataloader,
@@ -94,7 +94,10 @@ class GradAccMixin:
     head: Head
     backend: Backend
 
-    def __init__(self, *args: Any, gradacc_args: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, gradacc_args: GradAccArguments | dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """The trainer class's own parameters (``*args``, ``**kwargs``: `Trainer`'s, TRL's, your subclass's), plus
+        ``gradacc_args``: the :class:`~hf_gradacc.GradAccArguments` (or a dict of them) when ``args`` is not a
+        GradAcc config. :class:`~hf_gradacc.GradAccTrainer` spells out `Trainer`'s parameters."""
         # the private Trainer / TRL / accelerate members the step rests on, before anything is built (compat.py)
         check_trainer_class(type(self))
         # HF_GRADACC_CPU_DISTRIBUTED=1: patch accelerate BEFORE Trainer.__init__ builds the accelerator (patches/)
