@@ -123,7 +123,8 @@ def _fused_loss(
         raise GradAccConfigError(f"`fused_lm_head=True` cannot run here: {problem}. Set `fused_lm_head=False`.")
     ignore = head.ignore_index
     targets = (shift_labels if shift_labels is not None else causal_targets(labels.long(), ignore)).long()
-    result = fused_causal_lm_sum(model, inputs, targets, ignore_index=ignore)
+    # the Trainer's label smoothing per tile; the start-up row check compares without it (the model's own loss has none)
+    result = fused_causal_lm_sum(model, inputs, targets, ignore_index=ignore, label_smoothing=head.label_smoothing)
     if check:  # every rank runs it (its forwards gather sharded weights) and every rank stops if one rank's fails
         pair = fused_row_check(model, inputs, targets, labels=labels, shift_labels=shift_labels, ignore_index=ignore)
         verdict = check_builtin(pair[0], torch.tensor(pair[1])) if pair is not None else LossCheck()

@@ -73,10 +73,17 @@ def tile_rows_for(vocab_size: int, tile_elements: int = TILE_ELEMENTS) -> int:
 
 
 def _tile_loss(
-    hidden: torch.Tensor, targets: torch.Tensor, head: Callable, transform: LogitTransform, ignore_index: int
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: Callable,
+    transform: LogitTransform,
+    ignore_index: int,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     logits = transform(head(hidden)).float()
-    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+    return F.cross_entropy(
+        logits, targets, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing
+    )
 
 
 def fused_cross_entropy_sum(
@@ -87,9 +94,11 @@ def fused_cross_entropy_sum(
     transform: LogitTransform | None = None,
     ignore_index: int = IGNORE_INDEX,
     tile_rows: int | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """SUM over the rows of ``hidden`` (``[rows, hidden]``) of the cross-entropy of ``transform(head(row))`` against
     ``targets`` (``[rows]``), a tile of rows at a time; the logits of a tile are recomputed in the backward pass.
+    ``label_smoothing``: as ``torch.nn.functional.cross_entropy``'s (the Trainer's ``label_smoothing_factor``).
 
     Pass only the rows whose target counts: the cost is proportional to the rows given. With no row the result is an
     exact zero that still depends on the head's parameters and ``hidden`` (every parameter gets a gradient).
@@ -109,17 +118,19 @@ def fused_cross_entropy_sum(
     total: torch.Tensor | None = None
     for start in range(0, max(rows, 1), step):  # at least one (possibly empty) tile: the graph reaches the head
         part = _checkpointed(
-            hidden[start : start + step], targets[start : start + step], head, transform, ignore_index
+            hidden[start : start + step], targets[start : start + step], head, transform, ignore_index, label_smoothing
         )
         total = part if total is None else total + part
     assert total is not None
     return total
 
 
-def _checkpointed(hidden: torch.Tensor, targets: torch.Tensor, head: Callable, transform: Any, ignore: int) -> Any:
+def _checkpointed(
+    hidden: torch.Tensor, targets: torch.Tensor, head: Callable, transform: Any, ignore: int, smoothing: float
+) -> Any:
     if not torch.is_grad_enabled():
-        return _tile_loss(hidden, targets, head, transform, ignore)
-    return checkpoint(_tile_loss, hidden, targets, head, transform, ignore, use_reentrant=False)
+        return _tile_loss(hidden, targets, head, transform, ignore, smoothing)
+    return checkpoint(_tile_loss, hidden, targets, head, transform, ignore, smoothing, use_reentrant=False)
 
 
 # ---------------------------------------------------------------------------------------------- the causal LM
@@ -241,8 +252,17 @@ class _Capture:
     so the model computes no loss of its own). With gradient, the placeholder depends on the sum
     (:class:`_ThroughLogits`)."""
 
-    def __init__(self, head: nn.Module, forward: Any, targets: torch.Tensor, transform: LogitTransform, ignore: int):
+    def __init__(
+        self,
+        head: nn.Module,
+        forward: Any,
+        targets: torch.Tensor,
+        transform: LogitTransform,
+        ignore: int,
+        smoothing: float = 0.0,
+    ):
         self.head, self.forward, self.targets, self.transform, self.ignore = head, forward, targets, transform, ignore
+        self.smoothing = smoothing
         self.sum_loss: torch.Tensor | None = None
         self.box = _GradientBox()
         self.rows = 0
@@ -258,7 +278,12 @@ class _Capture:
         counted = targets != self.ignore
         self.rows = int(counted.sum())
         self.sum_loss = fused_cross_entropy_sum(
-            hidden[counted], self.forward, targets[counted], transform=self.transform, ignore_index=self.ignore
+            hidden[counted],
+            self.forward,
+            targets[counted],
+            transform=self.transform,
+            ignore_index=self.ignore,
+            label_smoothing=self.smoothing,
         )
         if self.sum_loss.requires_grad:
             placeholder = _ThroughLogits.apply(self.sum_loss, hidden.detach(), self.box)
@@ -269,11 +294,16 @@ class _Capture:
 
 
 def fused_causal_lm_sum(
-    model: nn.Module, inputs: dict[str, Any], targets: torch.Tensor, *, ignore_index: int = IGNORE_INDEX
+    model: nn.Module,
+    inputs: dict[str, Any],
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    label_smoothing: float = 0.0,
 ) -> FusedOutput:
     """One forward of ``model`` (wrapped or not; no labels in ``inputs``) with the fused head: the SUM of the
     cross-entropy over the causal ``targets`` (already shifted: position ``i`` predicts ``targets[i]``) that are not
-    ``ignore_index``.
+    ``ignore_index`` (with ``label_smoothing``, the smoothed cross-entropy).
 
     With gradient the sum is computed from the model's returned ``logits`` (a placeholder): its backward pass goes
     through the model's output and the head's output before the tiles, as a full-logits loss's would, so the hooks
@@ -285,7 +315,7 @@ def fused_causal_lm_sum(
     head = base.get_output_embeddings()
     missing = object()
     before = head.__dict__.get("forward", missing)
-    capture = _Capture(head, head.forward, targets, LogitTransform.of(base), ignore_index)
+    capture = _Capture(head, head.forward, targets, LogitTransform.of(base), ignore_index, label_smoothing)
     head.forward = capture  # type: ignore[method-assign]
     try:
         outputs = model(**inputs)

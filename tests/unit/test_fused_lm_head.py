@@ -236,3 +236,15 @@ def test_fused_lm_head_with_an_own_loss_is_warned_as_ignored(caplog: pytest.LogC
     with caplog.at_level("WARNING"):
         GradAccTrainer(model=_model("llama"), args=_args(True), train_dataset=samples, data_collator=PaddingCollator())
     assert "is ignored" not in caplog.text
+
+
+def test_label_smoothing_goes_through_the_fused_head() -> None:
+    """`label_smoothing_factor` is applied per tile, as the full logits' loss applies it: exact against the smoothed
+    float64 reference of tests/unit/test_label_smoothing.py."""
+    from hf_gradacc.testing.reference import compare
+    from tests.unit.test_label_smoothing import EPS, _smoothed_reference
+
+    model = build_tiny_model("causal_lm")
+    samples = make_samples("causal_lm", 7, seed=41)
+    update, _ = one_step_update(GradAccTrainer, model, samples, _args(True, label_smoothing_factor=EPS))
+    assert compare(update, _smoothed_reference(model, samples, "causal_lm")).relative_error <= TOLERANCE
