@@ -16,7 +16,7 @@ from transformers.utils import logging
 
 from ..compat import shard_even_batches
 from ..errors import GradAccConfigError, GradAccDataError
-from .pack import PackedCollator, WindowPackBatchSampler
+from .pack import AttentionCostModel, PackedCollator, WindowPackBatchSampler
 from .regroup import WindowRegroupBatchSampler, sample_lengths
 
 if TYPE_CHECKING:
@@ -124,8 +124,10 @@ def build_train_dataloader(
     from transformers.trainer_utils import seed_worker
 
     sampler_class = WindowPackBatchSampler if settings.pack_micro_batches else WindowRegroupBatchSampler
-    if settings.pack_micro_batches:
-        collator = _packing_collator(trainer, settings, is_hf_dataset, packing_collator)
+    packing: dict[str, Any] = {}
+    if settings.pack_micro_batches:  # a dense attention kernel: pad where one packed row would cost more
+        packing["cost_model"] = AttentionCostModel.for_model(trainer.model, padded_layout=packing_collator is None)
+        collator = _packing_collator(trainer, settings, is_hf_dataset, packing_collator, packing["cost_model"])
     batch_sampler = sampler_class(
         base_sampler,
         lengths,
@@ -135,6 +137,7 @@ def build_train_dataloader(
         drop_last=args.dataloader_drop_last,
         even_batches=accelerator.even_batches,
         max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch,
+        **packing,
     )
     params: dict[str, Any] = {
         "batch_sampler": batch_sampler,
@@ -167,7 +170,11 @@ def build_train_dataloader(
 
 
 def _packing_collator(
-    trainer: Trainer, settings: GradAccSettings, is_hf_dataset: bool, packed: Callable | None = None
+    trainer: Trainer,
+    settings: GradAccSettings,
+    is_hf_dataset: bool,
+    packed: Callable | None = None,
+    cost_model: AttentionCostModel | None = None,
 ) -> Callable:
     """``packed`` (the trainer's own padding-free collator) or :class:`~hf_gradacc.data.pack.PackedCollator`, behind
     the Trainer's unused-column removal; PackedCollator comes with a warning when it replaces a collator of the
@@ -186,7 +193,7 @@ def _packing_collator(
             f"each), not by the given data_collator ({type(user).__name__}). If that collator did more than pad, do "
             "that work in the dataset instead, or turn packing off."
         )
-    packed = PackedCollator(ignore_index=settings.ignore_index)
+    packed = PackedCollator(ignore_index=settings.ignore_index, cost_model=cost_model)
     return packed if is_hf_dataset else trainer._get_collator_with_removed_columns(packed, description="Training")
 
 

@@ -10,8 +10,11 @@ model keeps the samples of a row apart. This module uses that freedom:
    short last step are the stock ones) and :func:`pack_window` packs each step's samples into the fewest rows of at
    most ``max_tokens`` tokens that every rank can hold in the same number of micro-batches, with the tokens balanced
    over micro-batches and ranks. No sample is split.
-2. :class:`PackedCollator` turns one micro-batch into ONE padding-free row: ``input_ids`` and ``labels`` of shape
-   ``[1, T]``, the first label of every sample masked (so no sample predicts the next one's first token),
+   With a dense attention kernel (eager, sdpa) :func:`cheapest_plan` picks, by an :class:`AttentionCostModel`,
+   between those rows, smaller ones and the padded regrouping of the step, so that packing never costs more than
+   the padded layout it replaces.
+2. :class:`PackedCollator` turns one micro-batch into ONE padding-free row (or, with a cost model, pads the
+   micro-batches that cost less padded): ``input_ids`` and ``labels`` of shape ``[1, T]``, the first label of every sample masked (so no sample predicts the next one's first token),
    ``position_ids`` restarting at 0 per sample, and the sequence boundaries of the flash kernels (the keys
    ``transformers.DataCollatorWithFlattening`` emits). No ``attention_mask``: transformers then finds the sequences
    in the restarting ``position_ids`` and builds a block-diagonal causal mask (eager, sdpa, flex attention) or calls
@@ -78,6 +81,116 @@ VERIFIED_PACKED_MODEL_TYPES: frozenset[str] = frozenset(
 # second tolerance compares the sample packed with the sample alone (other shapes, so other rounding).
 _PROBE_RTOL: dict[torch.dtype, tuple[float, float]] = {torch.float64: (1e-9, 1e-7), torch.float32: (1e-5, 1e-4)}
 _PROBE_RTOL_HALF = (2e-3, 5e-2)
+
+
+# ---------------------------------------------------------------------------------------------- the cost model
+# Calibration of AttentionCostModel.for_model on a CPU (eager / sdpa, float32, one thread), by
+# `python benchmarks/packed_row_cost.py --fit`: a dense attention score costs _SCORE_FLOP_FACTOR times its matrix-product
+# FLOPs (the mask, the softmax and their backward are memory-bound), and a micro-batch costs a fixed
+# _MICRO_BATCH_FLOPS_PER_LAYER per layer (kernel launches, Python) on top of its positions.
+_SCORE_FLOP_FACTOR = 0.43
+_MICRO_BATCH_FLOPS_PER_LAYER = 7.2e7
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionCostModel:
+    """The cost of one micro-batch's forward and backward pass, in units of one token position's cost, that
+    :class:`WindowPackBatchSampler` minimises and :class:`PackedCollator` lays each micro-batch out by.
+
+    A micro-batch of samples with lengths ``l_1..l_n`` (``T`` their sum, ``L`` the longest) costs ``per_micro_batch
+    + positions + per_score * scores``: as ONE packed row, ``T`` positions and, with a ``dense`` attention kernel
+    (eager and sdpa compute every score of the row and mask the cross-sample ones), ``T^2`` scores, else (the
+    variable-length flash kernels, flex attention's block mask) ``sum l_i^2``; padded to ``[n, L]``, ``n L``
+    positions and ``n L^2`` scores. A dense row of a few long samples is costlier than the same samples padded: the
+    collator then pads them (when ``padded_layout``) and the sampler packs rows only where that pays.
+
+    Args:
+        per_score: cost of one attention score (a query-key pair, all layers) per position's cost.
+        per_micro_batch: fixed cost of a micro-batch (a forward and backward call), in positions.
+        dense: True when a packed row's attention is dense (``T^2``).
+        padded_layout: True when the collator may pad a micro-batch instead of packing it (hf_gradacc's
+            :class:`PackedCollator`; False for a collator that always packs, such as TRL's).
+
+    Example:
+        ```python
+        from hf_gradacc.data.pack import AttentionCostModel
+
+        cost = AttentionCostModel(per_score=2e-3, per_micro_batch=500.0)
+        cost.packs([100] * 8)          # False: one dense row of 800 tokens costs more than [8, 100] padded
+        cost.packs([300, 20, 10])      # True: little attention saved by padding, 570 padded positions saved
+        ```
+    """
+
+    per_score: float
+    per_micro_batch: float = 0.0
+    dense: bool = True
+    padded_layout: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("per_score", "per_micro_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
+                raise GradAccConfigError(f"AttentionCostModel `{name}` ({value!r}) must be a finite number >= 0")
+
+    def packed_cost(self, lengths: Sequence[int]) -> float:
+        """Cost of ``lengths`` as one packed row."""
+        total = sum(lengths)
+        scores = total * total if self.dense else sum(n * n for n in lengths)
+        return self.per_micro_batch + total + self.per_score * scores
+
+    def padded_cost(self, lengths: Sequence[int]) -> float:
+        """Cost of ``lengths`` padded to ``[len(lengths), max(lengths)]``."""
+        longest = max(lengths)
+        return self.per_micro_batch + len(lengths) * longest * (1 + self.per_score * longest)
+
+    def packs(self, lengths: Sequence[int]) -> bool:
+        """True when ``lengths`` go into one packed row; False when padding them costs less (``padded_layout``)."""
+        if not self.padded_layout or not self.dense or len(lengths) == 1:
+            return True  # per-sample attention: a row never costs more than the padded batch (fewer positions)
+        return self.packed_cost(lengths) <= self.padded_cost(lengths)
+
+    def cost(self, lengths: Sequence[int]) -> float:
+        """Cost of ``lengths`` in the layout :meth:`packs` picks."""
+        return self.packed_cost(lengths) if self.packs(lengths) else self.padded_cost(lengths)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, *, padded_layout: bool = True) -> AttentionCostModel:
+        """The cost model of ``model``'s config, from FLOPs: a position costs 6 FLOPs per weight it multiplies (the
+        input embedding is a lookup), a score ``12 x attention width x layers`` FLOPs times a dense kernel's
+        overhead factor, a micro-batch a fixed cost per layer (both factors calibrated on a CPU by
+        ``benchmarks/packed_row_cost.py --fit``). ``dense`` unless the attention implementation is a flash or flex
+        one.
+
+        Example:
+            ```python
+            from hf_gradacc.data.pack import AttentionCostModel
+            from hf_gradacc.testing.tiny import build_tiny_model
+
+            AttentionCostModel.for_model(build_tiny_model("causal_lm")).dense     # True: sdpa on CPU
+            ```
+        """
+        base = _unwrap(model)
+        config = getattr(base, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layers = int(getattr(text, "num_hidden_layers", 0) or 1)
+        hidden = int(getattr(text, "hidden_size", 0) or 1)
+        heads = int(getattr(text, "num_attention_heads", 0) or 1)
+        head_dim = int(getattr(text, "head_dim", 0) or hidden // heads)
+        embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+        skip = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+        head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+        if head is not None and any(id(p) in skip for p in head.parameters()):  # tied: the head still multiplies
+            skip -= {id(p) for p in head.parameters()}
+        shapes = [(id(p), tuple(getattr(p, "ds_shape", p.shape))) for p in base.parameters()]  # ZeRO-3: full shape
+        weights = sum(math.prod(shape) for key, shape in shapes if len(shape) >= 2 and key not in skip)
+        per_position = 6.0 * max(weights, 1)
+        attn = str(getattr(config, "_attn_implementation", None) or "")
+        return cls(
+            per_score=_SCORE_FLOP_FACTOR * 12.0 * heads * head_dim * layers / per_position,
+            per_micro_batch=_MICRO_BATCH_FLOPS_PER_LAYER * layers / per_position,
+            dense=not (attn.startswith("flash") or attn.startswith("flex")),
+            padded_layout=padded_layout,
+        )
 
 
 # ---------------------------------------------------------------------------------------------- one window
@@ -203,6 +316,93 @@ def pack_window(
     return per_rank
 
 
+# Row budgets `cheapest_plan` tries below a window's budget: the budget divided by these (never below the longest
+# sample). Long rows pay the attention of a dense kernel, short ones the fixed cost of more micro-batches.
+_ROW_BUDGET_DIVISORS = (1.25, 1.6, 2.0, 2.5, 3.2, 4.0, 5.0, 6.4, 8.0)
+
+
+def plan_cost(plan: Sequence[Sequence[Sequence[int]]], lengths: Sequence[int], model: AttentionCostModel) -> float:
+    """The modelled time of a window's plan (``[rank][k] -> sample indices``): its costliest rank's sum of
+    :meth:`AttentionCostModel.cost` over micro-batches (ranks wait for each other at the step's end)."""
+    return max(sum(model.cost([max(1, int(lengths[i])) for i in batch]) for batch in rank) for rank in plan)
+
+
+def cheapest_plan(
+    samples: Sequence[int],
+    lengths: Sequence[int],
+    model: AttentionCostModel,
+    *,
+    num_processes: int,
+    max_tokens: int,
+    num_padded_micro_batches_per_rank: int,
+    fewest_rows: list[list[list[int]]] | None = None,
+) -> list[list[list[int]]]:
+    """The plan of one window (``[rank][k] -> sample indices``) that ``model`` finds cheapest among: the fewest
+    packed rows of at most ``max_tokens`` (:func:`pack_window`), the same samples packed under smaller row budgets,
+    and the padded regrouping of the window into ``num_padded_micro_batches_per_rank`` micro-batches per rank
+    (:func:`~hf_gradacc.data.regroup.regroup_window`, what ``regroup_micro_batches`` would run). Every micro-batch
+    is then laid out by :meth:`AttentionCostModel.packs`; a plan whose padded micro-batch would hold more than
+    ``max_tokens`` positions is left out (memory). The padded regrouping is always a candidate, so the plan never
+    costs more, by the model, than the padded layout it replaces. Ties keep the fewest rows. Deterministic.
+
+    Example:
+        ```python
+        from hf_gradacc.data.pack import AttentionCostModel, cheapest_plan
+
+        cost = AttentionCostModel(per_score=2e-3, per_micro_batch=500.0)
+        cheapest_plan(range(16), [100] * 16, cost, num_processes=1, max_tokens=800,
+                      num_padded_micro_batches_per_rank=2)
+        # [[[0, 2, ..., 14], [1, 3, ..., 15]]]: two micro-batches of 8, which PackedCollator pads ([8, 100] each)
+        ```
+    """
+    from .regroup import _count_groups, regroup_window
+
+    samples = list(samples)
+    if fewest_rows is None:
+        fewest_rows = pack_window(samples, lengths, num_processes=num_processes, max_tokens=max_tokens)
+    sizes = sorted((max(1, int(lengths[i])) for i in samples), reverse=True)
+
+    def fits(plan: list[list[list[int]]]) -> bool:
+        for rank in plan:
+            for batch in rank:
+                batch_sizes = [max(1, int(lengths[i])) for i in batch]
+                if not model.packs(batch_sizes) and len(batch_sizes) * max(batch_sizes) > max_tokens:
+                    return False
+        return True
+
+    candidates = [fewest_rows]
+    for budget in sorted(
+        {max(sizes[0], int(max_tokens / d)) for d in _ROW_BUDGET_DIVISORS} - {max_tokens}, reverse=True
+    ):
+        candidates.append(pack_window(samples, lengths, num_processes=num_processes, max_tokens=budget))
+    regrouped = []
+    if model.padded_layout:
+        # Sorted, contiguous groups: the padded layout's best grouping. The window's own count first (what
+        # `regroup_micro_batches` runs; its cap is the window's), then counts near the fewest the budget allows.
+        fewest = max(1, math.ceil(_count_groups(sizes, max_tokens) / num_processes))
+        counts = {fewest, fewest + 1, fewest + 2, math.ceil(1.5 * fewest), 2 * fewest} - {
+            num_padded_micro_batches_per_rank
+        }
+        for count in [num_padded_micro_batches_per_rank, *sorted(counts)]:
+            if count * num_processes <= len(samples):
+                regrouped.append(
+                    regroup_window(
+                        samples, lengths, num_processes=num_processes, num_micro_batches_per_rank=count,
+                        max_tokens=max_tokens,
+                    )
+                )  # fmt: skip
+    best, best_cost = None, math.inf
+    for plan in [*candidates, *regrouped]:
+        if not fits(plan):
+            continue
+        cost = plan_cost(plan, lengths, model)
+        if cost < best_cost:
+            best, best_cost = plan, cost
+    # Nothing within the budget in the collator's layout (a short last window, whose regrouping may need a cap above
+    # the budget): what `regroup_micro_batches` runs there, else the fewest rows.
+    return best if best is not None else (regrouped[0] if regrouped else fewest_rows)
+
+
 # ---------------------------------------------------------------------------------------------- the sampler
 class WindowPackBatchSampler(WindowRegroupBatchSampler):
     """A batch sampler that keeps each optimizer step's stock samples and packs them into padding-free rows (one row
@@ -226,9 +426,13 @@ class WindowPackBatchSampler(WindowRegroupBatchSampler):
             activations and ``[tokens, vocab]`` logits), the budget is never below a sample of the step, and the
             stock grouping itself fits it, so the fewest rows are at most the stock count (measured: 2 to 3 rows
             per rank for 8 stock micro-batches on long-tailed lengths). The attention of eager and sdpa computes a
-            masked ``T x T`` score matrix per row, which grows with the row's square (2.6 to 3.5x the stock
-            run's attention work in that measurement; the flash kernels and flex attention skip the masked blocks):
-            with those, or for predictable memory and compiled shapes, set a fixed budget.
+            masked ``T x T`` score matrix per row, which grows with the row's square (the flash kernels and flex
+            attention skip the masked blocks): with those, give a ``cost_model``. For predictable memory and
+            compiled shapes, set a fixed budget.
+        cost_model: an :class:`AttentionCostModel` (the trainer passes :meth:`AttentionCostModel.for_model`). When
+            its attention is ``dense``, each step gets the cheapest plan of :func:`cheapest_plan` (fewest rows,
+            smaller rows, or the padded regrouping), and the collator must be ``PackedCollator(cost_model=...)`` with
+            the same model, which pads the micro-batches that cost less padded. ``None``: the fewest rows.
 
     Example:
         ```python
@@ -254,7 +458,11 @@ class WindowPackBatchSampler(WindowRegroupBatchSampler):
         drop_last: bool = False,
         even_batches: bool = True,
         max_tokens_per_micro_batch: int | None = None,
+        cost_model: AttentionCostModel | None = None,
     ) -> None:
+        if cost_model is not None and not isinstance(cost_model, AttentionCostModel):
+            raise GradAccConfigError(f"`cost_model` ({cost_model!r}) must be None or an AttentionCostModel")
+        self.cost_model = cost_model
         budget = max_tokens_per_micro_batch
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise GradAccConfigError(f"`max_tokens_per_micro_batch` ({budget!r}) must be None or an int >= 1")
@@ -284,14 +492,28 @@ class WindowPackBatchSampler(WindowRegroupBatchSampler):
         """``[window][rank][k] -> sample indices`` of the current epoch."""
         windows = self._plan(for_iteration=for_iteration)  # each: the stock samples and the budget of the step
         if self._packed is None or self._packed[0] is not windows or self._packed[1] != self.num_processes:
-            packed = [
-                pack_window(
-                    window.samples, self.lengths, num_processes=self.num_processes, max_tokens=window.max_tokens
-                )
-                for window in windows
-            ]
+            packed = [self._plan_window(window) for window in windows]
             self._packed = (windows, self.num_processes, packed)
         return self._packed[2]
+
+    def _plan_window(self, window: Any) -> list[list[list[int]]]:
+        """One window's micro-batches: the fewest rows under its budget, or, with a dense :attr:`cost_model`, the
+        cheapest of those, the same samples in rows of smaller budgets, and the padded regrouping of the window."""
+        packed = pack_window(
+            window.samples, self.lengths, num_processes=self.num_processes, max_tokens=window.max_tokens
+        )
+        model = self.cost_model
+        if model is None or not model.dense:
+            return packed  # one row is never costlier than padding without dense attention: the fewest rows win
+        return cheapest_plan(
+            window.samples,
+            self.lengths,
+            model,
+            num_processes=self.num_processes,
+            max_tokens=window.max_tokens,
+            num_padded_micro_batches_per_rank=window.num_micro_batches_per_rank,
+            fewest_rows=packed,
+        )
 
     @property
     def num_micro_batches_per_window(self) -> tuple[int, ...]:
@@ -339,6 +561,12 @@ class PackedCollator:
     ``labels`` (same length; lists or 1-D tensors) and an all-ones ``attention_mask``; anything else is an error.
     The lengths of the samples are ``cu_seq_lens_q.diff()`` (:func:`packed_sequence_lengths`).
 
+    With ``cost_model`` (an :class:`AttentionCostModel`, the one given to :class:`WindowPackBatchSampler`), a
+    micro-batch that costs less padded than as one dense row (:meth:`AttentionCostModel.packs` is False) is returned
+    padded instead: ``input_ids`` ``[n, longest]`` right-padded with ``pad_token_id``, ``labels`` padded with
+    ``ignore_index`` (each sample's first label masked as above, which the causal shift drops anyway) and an
+    ``attention_mask``. Its targets are the same; only the layout differs.
+
     Example:
         ```python
         from hf_gradacc.data.pack import PackedCollator
@@ -352,6 +580,8 @@ class PackedCollator:
     ignore_index: int = IGNORE_INDEX
     return_flash_attn_kwargs: bool = True
     return_seq_idx: bool = False
+    cost_model: AttentionCostModel | None = None
+    pad_token_id: int = 0
 
     ACCEPTED_KEYS = ("input_ids", "labels", "attention_mask")
     # Columns a dataset carries for the sampler, not for the model: dropped.
@@ -365,6 +595,7 @@ class PackedCollator:
         position_ids: list[int] = []
         seq_idx: list[int] = []
         offsets = [0]
+        rows: list[tuple[list[int], list[int]]] = []
         for index, sample in enumerate(samples):
             extra = sorted(set(sample) - set(self.ACCEPTED_KEYS) - set(self.IGNORED_KEYS))
             if extra:
@@ -387,11 +618,14 @@ class PackedCollator:
                     f"Sample {index} of the micro-batch is padded (its `attention_mask` has zeros); PackedCollator "
                     "packs unpadded samples."
                 )
+            rows.append((ids, [self.ignore_index, *own[1:]]))
             input_ids += ids
             labels += [self.ignore_index, *own[1:]]
             position_ids += range(len(ids))
             seq_idx += [index] * len(ids)
             offsets.append(offsets[-1] + len(ids))
+        if self.cost_model is not None and not self.cost_model.packs([len(ids) for ids, _ in rows]):
+            return self._padded(rows)
         batch: dict[str, Any] = {
             "input_ids": torch.tensor([input_ids], dtype=torch.long),
             "labels": torch.tensor([labels], dtype=torch.long),
@@ -405,6 +639,19 @@ class PackedCollator:
         if self.return_seq_idx:
             batch["seq_idx"] = torch.tensor([seq_idx], dtype=torch.int32)
         return batch
+
+    def _padded(self, rows: Sequence[tuple[list[int], list[int]]]) -> dict[str, Any]:
+        """The samples right-padded to ``[n, longest]`` with an ``attention_mask``: the layout of a padded batch,
+        for a micro-batch that :attr:`cost_model` finds cheaper padded than packed."""
+        width = max(len(ids) for ids, _ in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), self.ignore_index, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, (ids, own) in enumerate(rows):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            labels[row, : len(own)] = torch.tensor(own, dtype=torch.long)
+            attention_mask[row, : len(ids)] = 1
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
 def packed_sequence_lengths(batch: Mapping[str, Any]) -> list[int]:

@@ -1,5 +1,5 @@
-"""`pack_micro_batches=True` through the trainer: every micro-batch is one padding-free row, the step keeps its
-samples, and the update equals the padded run and the float64 reference (one process; 2 DDP ranks in
+"""`pack_micro_batches=True` through the trainer: every micro-batch is one padding-free row (or, with a dense
+attention kernel, padded where that costs less: AttentionCostModel), the step keeps its samples, and the update equals the padded run and the float64 reference (one process; 2 DDP ranks in
 tests/distributed/test_regroup_ddp.py). The planner and the collator alone: tests/unit/test_pack.py."""
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def _difference(a, b) -> float:
 
 
 def _sequences(batch) -> list[tuple[int, ...]]:
+    if "cu_seq_lens_q" not in batch:  # a micro-batch the cost model of a dense attention kernel laid out padded
+        return [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
     offsets = batch["cu_seq_lens_q"].tolist()
     return [tuple(batch["input_ids"][0, a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
 
@@ -154,7 +156,9 @@ def test_loss_terms_of_a_packed_step_equal_the_padded_ones() -> None:
     packed, second = one_step_update(InputTokenTerms, model, samples, one_step_args(**common, pack_micro_batches=True))
     assert _difference(packed, padded) <= TOL
     a, b = first.state.log_history[0], second.state.log_history[0]
-    assert a["loss/size"] == pytest.approx(b["loss/size"], rel=1e-5) and a["loss/lm"] == pytest.approx(b["loss/lm"], rel=1e-5)
+    assert a["loss/size"] == pytest.approx(b["loss/size"], rel=1e-5) and a["loss/lm"] == pytest.approx(
+        b["loss/lm"], rel=1e-5
+    )
 
 
 def test_a_packed_row_counts_its_sequences_as_samples() -> None:
@@ -215,7 +219,8 @@ def test_the_packed_example_trains_the_padded_steps(tmp_path) -> None:
     padded = module.main([*common, "--pack_micro_batches", "false"])
     packed = module.main([*common, "--pack_micro_batches", "true"])
     assert packed["global_step"] == padded["global_step"] == 6  # 3 steps per epoch (the last one short), 2 epochs
-    assert packed["computed_per_real_token"] == 1.0 < padded["computed_per_real_token"]
+    # sdpa on CPU is a dense kernel: the micro-batches that cost less padded are padded, tighter than the stock ones
+    assert 1.0 <= packed["computed_per_real_token"] < padded["computed_per_real_token"]
     difference = (packed["parameters"] - padded["parameters"]).norm() / padded["parameters"].norm()
     initial = torch.cat([p.detach().reshape(-1) for p in module.build_tiny_model("causal_lm", seed=42).parameters()])
     moved = (padded["parameters"] - initial).norm() / initial.norm()
