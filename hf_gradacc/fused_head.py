@@ -134,7 +134,9 @@ def _checkpointed(
 
 
 # ---------------------------------------------------------------------------------------------- the causal LM
-FUSED_HEADS: tuple[str, ...] = ("causal_lm",)
+FUSED_HEADS: tuple[str, ...] = ("causal_lm", "seq2seq", "masked_lm")
+# the heads tested on several processes (tests/distributed/test_fused_head.py); the others on one process only
+DISTRIBUTED_FUSED_HEADS: tuple[str, ...] = ("causal_lm",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +150,8 @@ class FusedOutput:
 
 def fused_support_problem(model: nn.Module, head_type: str | None) -> str | None:
     """Why ``fused_lm_head`` cannot run on ``model`` (wrapped or not), or None when it can: a causal LM with an output
-    layer, on one process or under DDP, DeepSpeed ZeRO-1/2/3 or FSDP2 (mixtures of experts included)."""
+    layer, on one process or under DDP, DeepSpeed ZeRO-1/2/3 or FSDP2 (mixtures of experts included); a seq2seq or
+    masked LM whose output layer projects every position, on one process."""
     from .heads import unwrap_model
 
     base = unwrap_model(model)
@@ -158,11 +161,18 @@ def fused_support_problem(model: nn.Module, head_type: str | None) -> str | None
     output = get() if callable(get) else None
     if not isinstance(output, nn.Module):
         return f"{type(base).__name__} has no output layer (`get_output_embeddings()` is {output!r})"
+    bias = getattr(base, "final_logits_bias", None)  # BART / Marian / Pegasus add it to the head's output
+    if torch.is_tensor(bias) and bool((bias != 0).any()):
+        return (
+            f"{type(base).__name__} adds a non-zero `final_logits_bias` to its logits, which the fused head does not"
+        )
     if (
         torch.distributed.is_available()
         and torch.distributed.is_initialized()
         and torch.distributed.get_world_size() > 1
     ):
+        if head_type not in DISTRIBUTED_FUSED_HEADS:
+            return f"the {head_type!r} head is tested on one process only; on several, {DISTRIBUTED_FUSED_HEADS}"
         backend = distributed_backend(model)
         if backend is None:
             return (

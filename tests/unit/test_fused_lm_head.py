@@ -248,3 +248,33 @@ def test_label_smoothing_goes_through_the_fused_head() -> None:
     samples = make_samples("causal_lm", 7, seed=41)
     update, _ = one_step_update(GradAccTrainer, model, samples, _args(True, label_smoothing_factor=EPS))
     assert compare(update, _smoothed_reference(model, samples, "causal_lm")).relative_error <= TOLERANCE
+
+
+@pytest.mark.parametrize("task", ["seq2seq", "masked_lm"])
+def test_seq2seq_and_masked_lm_heads_are_exact(task: str) -> None:
+    """T5 (the decoder's positions; its tied-embedding rescaling happens before the head) and BERT's masked LM (the
+    head's transform runs in the model, the decoder layer in tiles): exact, each counted label projected once."""
+    rows: list[int] = []
+    original = fused_head._Capture.__call__
+
+    def counting(self, hidden, *args, **kwargs):
+        out = original(self, hidden, *args, **kwargs)
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            rows.append(self.rows)
+        return out
+
+    model = build_tiny_model(task)
+    samples = make_samples(task, 8, seed=3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_head._Capture, "__call__", counting)
+        update, _ = one_step_update(GradAccTrainer, model, samples, _args(True))
+    assert compare_with_reference(update, model, samples, task).relative_error <= TOLERANCE
+    assert sum(rows) == sum(sum(label != -100 for label in s["labels"]) for s in samples) and len(rows) == 4
+
+
+def test_a_final_logits_bias_is_refused() -> None:
+    model = build_tiny_model("seq2seq")
+    model.register_buffer("final_logits_bias", torch.zeros(1, VOCAB_SIZE))
+    assert fused_head.fused_support_problem(model, "seq2seq") is None  # zero: nothing to add
+    model.final_logits_bias[0, 3] = 1.0
+    assert "final_logits_bias" in fused_head.fused_support_problem(model, "seq2seq")
