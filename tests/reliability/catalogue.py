@@ -358,6 +358,49 @@ class _NoLogits(torch.nn.Module):
         return logits if self.bare else {"scores": logits}
 
 
+# ---------------------------------------------------------------------------------------------- hf-gradacc check
+def _check_command(*argv: str) -> tuple[int, str, str]:
+    """``hf-gradacc check`` in-process: its exit status, printed output and printed errors."""
+    import contextlib
+    import io
+
+    from hf_gradacc.commands.hf_gradacc_cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(["check", *argv])
+    return status, out.getvalue(), err.getvalue()
+
+
+def _check_missing_model() -> None:
+    folder = os.path.join(tempfile.mkdtemp(prefix="hf_gradacc_catalogue_"), "missing")
+    status, _, err = _check_command("--model", folder)
+    assert status == 2 and "is a local path that does not exist" in err, (status, err)
+
+
+def _check_wrong_task() -> None:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    folder = os.path.join(tempfile.mkdtemp(prefix="hf_gradacc_catalogue_"), "bert-cls")
+    config = BertConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, num_labels=3)  # fmt: skip
+    BertForSequenceClassification(config).save_pretrained(folder)
+    status, out, err = _check_command("--model", folder, "--task", "causal_lm")
+    assert status == 2, (status, out, err)
+    assert "BertForSequenceClassification" in err and "not a causal LM" in err and "--task" in err, err
+    assert "router" not in out + err, (out, err)
+
+
+def _check_trainer_moe() -> None:
+    from hf_gradacc.testing.tiny import build_tiny_moe
+
+    folder = os.path.join(tempfile.mkdtemp(prefix="hf_gradacc_catalogue_"), "mixtral")
+    build_tiny_moe("mixtral", router_aux_loss_coef=0.5).save_pretrained(folder)
+    status, out, err = _check_command("--trainer", "sft", "--model", folder)
+    assert status == 0, (status, out, err)
+    assert "router term on (coefficient 0.5)" in out, out
+
+
 # ---------------------------------------------------------------------------------------------- the table
 def _ga(value: Any) -> Callable[[], Any]:
     return lambda: GradAccConfig(output_dir="unused", use_cpu=True, report_to=[], gradient_accumulation_steps=value)
@@ -365,6 +408,8 @@ def _ga(value: Any) -> Callable[[], Any]:
 
 def _knob(**knob: Any) -> Callable[[], Any]:
     return lambda: GradAccArguments(**knob)
+
+
 
 
 CASES: list[Case] = [
@@ -575,6 +620,14 @@ CASES: list[Case] = [
          "GradAccUsageError", ("has started", "before `train()`"), result="the trainer is left as it was"),
     Case("make_exact_training_step", "`make_exact` on a class that overrides `training_step`", "error",
          _make_exact_training_step, "GradAccTypeError", ("overrides ['training_step']", "GradAccMixin")),
+    Case("check_missing_model", "`hf-gradacc check --model ./missing` (a local path that does not exist)", "check",
+         _check_missing_model, result="exit 2 at once: “is a local path that does not exist” (no Hub retries)"),
+    Case("check_wrong_task", "`hf-gradacc check --model <BertForSequenceClassification> --task causal_lm`", "check",
+         _check_wrong_task, result="exit 2: the checkpoint's architecture “is not a causal LM”, naming `--task`; "
+         "no new LM head loaded silently, no router explanation"),
+    Case("check_trainer_moe", "`hf-gradacc check --trainer sft --model <a mixture-of-experts checkpoint>`", "check",
+         _check_trainer_moe, result="exact, exit 0: the float64 reference holds the router term (“router term on "
+         "(coefficient 0.5)”), as a real SFT run logs `loss/aux`"),
 ]
 
 
