@@ -72,7 +72,7 @@ def bench_command_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench",
         help="time the stock Trainer (random, group_by_length, batch_rebalance, flattening) against GradAccTrainer "
-        "(plain, regrouped, token budget, packed) in one run",
+        "(plain, regrouped, token budget, packed, with and without the fused LM head) in one run",
         description=__doc__.split("\n\n")[0].strip("`"),
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
@@ -85,7 +85,9 @@ def bench_command_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--num-heads", type=int, default=d.num_heads)
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
     p.add_argument(
-        "--vocab-sizes", type=_ints, default=None,
+        "--vocab-sizes",
+        type=_ints,
+        default=None,
         help="comma-separated vocabulary sizes: one model each, measured one after the other (e.g. 96,32000,qwen; "
         f"'qwen' is {QWEN_VOCAB_SIZE:,}, the Qwen models' vocabulary, where the LM head dominates memory)",
     )
@@ -94,14 +96,27 @@ def bench_command_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--sigma", type=float, default=d.sigma, help="log-normal shape of the long-tailed lengths")
     p.add_argument("--equal-length", type=int, default=d.equal_length)
     p.add_argument(
-        "--max-tokens", type=int, default=d.max_tokens_per_micro_batch,
-        help="token budget of the 'budget' and 'pack' trainers (raised to the longest sample if below it)",
+        "--max-tokens",
+        type=int,
+        default=d.max_tokens_per_micro_batch,
+        help="token budget of the 'budget' trainers (raised to the longest sample if below it)",
+    )
+    p.add_argument(
+        "--pack-max-tokens",
+        type=int,
+        default=d.pack_max_tokens,
+        help="token budget of the packed rows ('pack', 'pack_fused'); default: pack_micro_batches' own (per step, the "
+        "padded size of the step's largest stock micro-batch)",
     )
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
     p.add_argument("--threads", type=int, default=d.num_threads, help="torch CPU threads (CPU runs)")
     p.add_argument("--datasets", type=_csv(DATASETS), default=d.datasets, help=",".join(DATASETS))
-    p.add_argument("--trainers", type=_csv(ALL_TRAINERS), default=d.trainers,
-                   help=",".join(ALL_TRAINERS) + f" (default: {','.join(TRAINERS)})")
+    p.add_argument(
+        "--trainers",
+        type=_csv(ALL_TRAINERS),
+        default=d.trainers,
+        help=",".join(ALL_TRAINERS) + f" (default: {','.join(TRAINERS)})",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", default=None, help="also write the rows and the environment to this file")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the step-time and memory distributions")
@@ -130,6 +145,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         sigma=args.sigma,
         max_length=args.max_length,
         max_tokens_per_micro_batch=args.max_tokens,
+        pack_max_tokens=args.pack_max_tokens,
         seed=args.seed,
         num_threads=args.threads,
         datasets=tuple(args.datasets),
@@ -141,7 +157,9 @@ def bench_command(args: argparse.Namespace) -> int:
     """Execute ``hf-gradacc bench``: print the environment, the settings and the table; 0 on success."""
     settings = settings_from_args(args)
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
-        print("hf-gradacc bench: --device cuda needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+        print(
+            "hf-gradacc bench: --device cuda needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr
+        )
         return 2
     import transformers
 

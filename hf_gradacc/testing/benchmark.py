@@ -1,6 +1,6 @@
 """`hf-gradacc bench`: what users would pick instead — the stock `Trainer` (random order, `group_by_length`,
 `batch_rebalance`, padding-free `DataCollatorWithFlattening`) — against `GradAccTrainer` (plain, regrouped, token
-budget, packed), in ONE run.
+budget, packed, and the last two with the fused LM head), in ONE run.
 
 Every trainer trains its own copy of the same model on the same samples in the same order (same seed, so every
 optimizer step holds the same samples). The trainers run side by side, one optimizer step at a time, in turns that
@@ -71,9 +71,12 @@ _TRAINER_LABELS = {
     "budget": "GradAccTrainer + token budget",
     "pack": "GradAccTrainer + packed",
     "fused": "GradAccTrainer + fused LM head",
+    "budget_fused": "GradAccTrainer + token budget + fused LM head",
+    "pack_fused": "GradAccTrainer + packed + fused LM head",
 }
-# Every trainer a run can name; ``fused`` (``fused_lm_head=True``) is not in the default set yet.
-ALL_TRAINERS: tuple[str, ...] = (*TRAINERS, "fused")
+# Every trainer a run can name; the ``fused`` ones (``fused_lm_head=True``: alone, with the token budget, packed) are
+# not in the default set yet.
+ALL_TRAINERS: tuple[str, ...] = (*TRAINERS, "fused", "budget_fused", "pack_fused")
 # The stock samplers of transformers 5.23 (`train_sampling_strategy`) each stock variant uses.
 _STOCK_SAMPLING = {"stock_group_by_length": "group_by_length", "stock_batch_rebalance": "batch_rebalance"}
 _TURN_TIMEOUT_S = 1800.0  # a step that takes longer than this is a hang, not a measurement
@@ -86,6 +89,10 @@ class BenchSettings:
     Lengths: ``equal`` samples all have ``equal_length`` tokens; ``long_tailed`` ones are log-normal with median
     ``median_length`` and shape ``sigma``, clipped to ``[min_length, max_length]``; ``completion_only`` ones have
     the long-tailed lengths with the first half of every sample labelled -100.
+
+    Budgets: ``budget`` trainers get ``max_tokens_per_micro_batch``; ``pack`` trainers ``pack_max_tokens``, whose
+    default ``None`` is what ``pack_micro_batches=True`` alone does (per step, the padded size of the step's largest
+    stock micro-batch).
     """
 
     device: str = "cpu"
@@ -105,6 +112,7 @@ class BenchSettings:
     min_length: int = 8
     max_length: int = 1024
     max_tokens_per_micro_batch: int = 1024
+    pack_max_tokens: int | None = None  # the packed rows' budget; None: the trainer's default (see below)
     learning_rate: float = 1e-4
     seed: int = 0
     num_threads: int | None = 1
@@ -388,11 +396,11 @@ def _trainer_args(settings: BenchSettings, name: str, output_dir: str, world_siz
         return TrainingArguments(**kwargs)
     if name == "regroup":
         kwargs["regroup_micro_batches"] = True
-    elif name == "budget":
+    elif name.startswith("budget"):
         kwargs["max_tokens_per_micro_batch"] = settings.max_tokens_per_micro_batch
-    elif name == "pack":
-        kwargs.update(pack_micro_batches=True, max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch)
-    elif name == "fused":
+    elif name.startswith("pack"):
+        kwargs.update(pack_micro_batches=True, max_tokens_per_micro_batch=settings.pack_max_tokens)
+    if name.endswith("fused"):
         kwargs["fused_lm_head"] = True
     return GradAccConfig(**kwargs)
 
@@ -412,7 +420,9 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
     unknown = sorted(set(settings.trainers) - set(ALL_TRAINERS))
     if unknown or "stock" not in settings.trainers:
         raise GradAccConfigError(f"`trainers` ({settings.trainers}) must include 'stock' and come from {ALL_TRAINERS}")
-    missing = [n for n, strategy in _STOCK_SAMPLING.items() if n in settings.trainers and not has_sampling_strategy(strategy)]
+    missing = [
+        n for n, strategy in _STOCK_SAMPLING.items() if n in settings.trainers and not has_sampling_strategy(strategy)
+    ]
     if missing:  # an unknown strategy would silently run in random order under that row's name
         logger.warning(
             f"bench: transformers {transformers.__version__} has no train_sampling_strategy "
@@ -428,9 +438,12 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
     )
     samples = make_bench_samples(settings, dataset, num_samples)
     longest = max(len(s["input_ids"]) for s in samples)
-    if {"budget", "pack"} & set(settings.trainers) and longest > settings.max_tokens_per_micro_batch:
+    if any(n.startswith("budget") for n in settings.trainers) and longest > settings.max_tokens_per_micro_batch:
         settings = replace(settings, max_tokens_per_micro_batch=longest)
         logger.warning(f"bench: token budget raised to the longest sample ({longest} tokens)")
+    if any(n.startswith("pack") for n in settings.trainers) and longest > (settings.pack_max_tokens or longest):
+        settings = replace(settings, pack_max_tokens=longest)
+        logger.warning(f"bench: packed rows' budget raised to the longest sample ({longest} tokens)")
     model = build_bench_model(settings)
     initial = _flat_params(model)
     probe = _MemoryProbe(settings.device)
@@ -483,7 +496,9 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
                 reductions_per_step=turns[name].reductions / steps if world_size > 1 else None,
                 micro_batches_per_step=counter.micro_batches / steps,
                 relative_update_difference=diff,
-                real_tokens_per_s=sum(turns[name].step_real_tokens[skip:]) / sum(times) if sum(times) else float("nan"),
+                real_tokens_per_s=sum(turns[name].step_real_tokens[skip:]) / sum(times)
+                if sum(times)
+                else float("nan"),
                 step_times_s=tuple(times),
                 step_peaks_bytes=tuple(turns[name].step_peaks[skip:]),
                 first_step_peak_memory_bytes=(turns[name].step_peaks or [0])[0],

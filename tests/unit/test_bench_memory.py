@@ -51,3 +51,63 @@ def test_bench_takes_the_qwen_vocabulary_by_name() -> None:
     args = parser.parse_args(["bench", "--vocab-sizes", "96,qwen", "--datasets", "completion_only"])
     settings = bench.settings_from_args(args)
     assert settings.vocab_sizes == (96, QWEN_VOCAB_SIZE) and settings.datasets == ("completion_only",)
+
+
+@pytest.mark.parametrize(
+    ("name", "budget", "packs", "fused"),
+    [("budget", 512, False, None), ("pack", None, True, None), ("budget_fused", 512, False, True),
+     ("pack_fused", None, True, True)],
+)  # fmt: skip
+def test_bench_rows_a_user_would_pick_get_their_settings(tmp_path, name, budget, packs, fused) -> None:
+    from hf_gradacc.testing.benchmark import ALL_TRAINERS, TRAINERS, _trainer_args
+
+    settings = BenchSettings(max_tokens_per_micro_batch=512)
+    args = _trainer_args(settings, name, str(tmp_path), 1)
+    assert name in ALL_TRAINERS and (name in TRAINERS) == (not name.endswith("fused"))
+    assert args.max_tokens_per_micro_batch == budget and args.pack_micro_batches is packs
+    assert getattr(args, "fused_lm_head", None) is fused
+    parser = argparse.ArgumentParser(prog="hf-gradacc")
+    bench.bench_command_parser(parser.add_subparsers(dest="command"))
+    settings = bench.settings_from_args(parser.parse_args(["bench", "--pack-max-tokens", "2048"]))
+    assert settings.pack_max_tokens == 2048 and BenchSettings().pack_max_tokens is None
+
+
+def _row(trainer: str, dataset: str, vocab: int, total: float, peak: int) -> dict:
+    return {
+        "trainer": trainer,
+        "dataset": dataset,
+        "vocab_size": vocab,
+        "total_time_ratio": total,
+        "peak_memory_bytes": peak,
+    }
+
+
+def test_bench_targets_are_ratios_of_one_run() -> None:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "targets.py"
+    spec = importlib.util.spec_from_file_location("bench_targets", path)
+    targets = importlib.util.module_from_spec(spec)
+    sys.modules["bench_targets"] = targets  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(targets)
+    stock = [_row(n, "long_tailed", 32000, t, m) for n, t, m in
+             [("stock", 1.0, 1000), ("stock_group_by_length", 0.3, 990), ("stock_batch_rebalance", 0.25, 300),
+              ("stock_flatten", 0.24, 320)]]  # fmt: skip
+    rows = [
+        *stock,
+        _row("budget", "long_tailed", 32000, 0.20, 140),  # 0.833x the fastest stock time, 0.467x the leanest memory
+        _row("pack", "equal", 96, 1.04, 10),
+        _row("plain", "equal", 96, 1.0, 10),
+        _row("pack", "long_tailed", 96, 0.30, 10),
+        _row("regroup", "long_tailed", 96, 0.29, 10),
+    ]
+    results = {t.dataset + str(t.vocab_size): (ratio, t.limit) for t, ratio, _ in targets.check(rows)}
+    assert results["equal96"] == (pytest.approx(1.04), 1.05)
+    assert results["long_tailed96"][0] == pytest.approx(0.30 / 0.29)  # > 1: not met, slower than regrouping
+    best = results["long_tailed32000"][0]
+    assert best == pytest.approx(max(0.20 / 0.24 / 0.85, 140 / 300 / 0.5)) and best <= 1.0
+    slow = [*stock, _row("budget", "long_tailed", 32000, 0.22, 140)]  # 0.917x the time: not met
+    assert targets.check(slow)[0][1] > 1.0
+    assert targets.check(stock[:2] + [_row("budget", "long_tailed", 32000, 0.1, 1)]) == []  # stock rows missing

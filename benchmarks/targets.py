@@ -1,0 +1,123 @@
+"""The targets of `hf-gradacc bench`, as ratios between rows of ONE run (never as timed assertions): a machine's
+speed cancels out, its noise does not, so repeat a run that looks disturbed.
+
+    hf-gradacc bench --datasets equal,long_tailed --json bench96.json
+    python benchmarks/targets.py bench96.json                 # prints every target it can check, exit 1 if one fails
+
+Each target names the rows it compares; a target whose rows are not in the file is skipped (and said so). Totals
+(sum of the timed steps) are compared, not medians of pairs: a stock sampler that moves samples between steps makes
+unequal steps that a median hides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+STOCK = ("stock", "stock_group_by_length", "stock_batch_rebalance", "stock_flatten")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One ratio target: ``measure(rows of one (dataset, vocabulary))`` gives (ratio, what was compared) or None
+    when the rows it needs are missing; met when ratio <= limit."""
+
+    name: str
+    dataset: str
+    vocab_size: int
+    limit: float
+    measure: Callable[[dict[str, dict[str, Any]]], tuple[float, str] | None]
+
+
+def _ratio(numerator: str, denominator: str, key: str = "total_time_ratio"):
+    def measure(rows: dict[str, dict[str, Any]]) -> tuple[float, str] | None:
+        if numerator not in rows or denominator not in rows:
+            return None
+        return rows[numerator][key] / rows[denominator][key], f"{numerator} / {denominator} ({key})"
+
+    return measure
+
+
+def _best_gradacc_against_best_stock(time_limit: float, memory_limit: float):
+    """The GradAccTrainer row that is within both limits of the fastest stock row's total time and the leanest stock
+    row's peak memory, if any; else the row closest to them. The ratio reported is the larger of its two ratios, each
+    divided by its limit (<= 1: both met)."""
+
+    def measure(rows: dict[str, dict[str, Any]]) -> tuple[float, str] | None:
+        stock = [rows[n] for n in STOCK if n in rows]
+        ours = {n: r for n, r in rows.items() if n not in STOCK}
+        if len(stock) < len(STOCK) or not ours:
+            return None
+        fastest = min(stock, key=lambda r: r["total_time_ratio"])
+        leanest = min(stock, key=lambda r: r["peak_memory_bytes"])
+
+        def score(row: dict[str, Any]) -> tuple[float, float, float]:
+            t = row["total_time_ratio"] / fastest["total_time_ratio"]
+            m = row["peak_memory_bytes"] / leanest["peak_memory_bytes"]
+            return max(t / time_limit, m / memory_limit), t, m
+
+        name = min(ours, key=lambda n: score(ours[n]))
+        worst, t, m = score(ours[name])
+        return worst, (
+            f"{name}: {t:.3f}x the total time of {fastest['trainer']} (limit {time_limit}), {m:.3f}x the peak memory "
+            f"of {leanest['trainer']} (limit {memory_limit})"
+        )
+
+    return measure
+
+
+TARGETS: tuple[Target, ...] = (
+    Target("packed <= 1.05x plain, equal lengths", "equal", 96, 1.05, _ratio("pack", "plain")),
+    Target("packed no slower than regrouping, long-tailed", "long_tailed", 96, 1.0, _ratio("pack", "regroup")),
+    Target(
+        "best GradAccTrainer row <= 0.85x time and <= 0.5x memory of the best stock row, long-tailed",
+        "long_tailed",
+        32000,
+        1.0,
+        _best_gradacc_against_best_stock(0.85, 0.5),
+    ),
+)
+
+
+def check(rows: Sequence[dict[str, Any]], targets: Sequence[Target] = TARGETS) -> list[tuple[Target, float, str]]:
+    """(target, ratio, what was compared) for every target whose rows are in ``rows`` (the ``rows`` of a ``--json``
+    file)."""
+    results = []
+    for target in targets:
+        group = {
+            r["trainer"]: r for r in rows if (r["dataset"], r["vocab_size"]) == (target.dataset, target.vocab_size)
+        }
+        measured = target.measure(group)
+        if measured is not None:
+            results.append((target, *measured))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("json", nargs="+", help="files written by `hf-gradacc bench --json`")
+    args = parser.parse_args(argv)
+    failed = 0
+    for path in args.json:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        results = check(rows)
+        checked = {t.name for t, _, _ in results}
+        for target, ratio, what in results:
+            met = ratio <= target.limit
+            failed += not met
+            print(
+                f"{'met    ' if met else 'NOT MET'} {ratio:.3f} (limit {target.limit}) {target.name}: {what} [{path}]"
+            )
+        for target in TARGETS:
+            if target.name not in checked:
+                print(f"skipped {target.name}: no {target.dataset} rows at vocabulary {target.vocab_size} [{path}]")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
