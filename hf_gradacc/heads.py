@@ -28,7 +28,7 @@ from .loss import (
     sequence_classification_sum,
     token_cross_entropy_sum,
 )
-from .window import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, count_micro_batch
+from .window import LABEL_KEY, PACKED_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, count_micro_batch
 
 logger = logging.get_logger(__name__)
 
@@ -215,6 +215,19 @@ class Head:
         positions = int(inputs.shape[0] * inputs.shape[1]) if torch.is_tensor(inputs) and inputs.dim() >= 2 else 0
         self._warn_unattended_rows(batch)
         return replace(counts, num_input_tokens=input_token_count(batch), num_positions=positions)
+
+    def count_with_seen_tokens(
+        self, batch: Mapping[str, Any], mode: str, main_input_name: str, pad_token_id: int | None
+    ) -> MicroBatchCounts:
+        """:meth:`count`, plus the input tokens `include_num_input_tokens_seen` (``mode``) tracks; a packed row has
+        no padding (and may hold end-of-sequence ids equal to the pad id): every token counts there."""
+        counts = self.count(batch)
+        if mode == "no":
+            return counts
+        packed = PACKED_KEY in batch
+        seen = seen_token_count(batch.get(main_input_name), batch.get("attention_mask"), mode,
+                                None if packed else pad_token_id, padded=not packed)  # fmt: skip
+        return replace(counts, num_seen_tokens=seen)
 
     def _warn_unattended_rows(self, batch: Mapping[str, Any]) -> None:
         """A row whose ``attention_mask`` is all zeros but whose labels count: trained and counted on positions the

@@ -24,38 +24,36 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from transformers.trainer_utils import has_length
 from transformers.utils import logging
 
 from . import patches
 from .auxiliary import returns_router_loss, split_model_loss
 from .backends import Backend, resolve_backend
+from .backends.fsdp2 import warn_if_no_full_model
 from .builtin_loss import MAIN_TERM, batch_mean_loss, builtin_loss, model_mean_loss
 from .callbacks.base import GradAccCallback
 from .callbacks.batchnorm import batchnorm_callback_for
-from .checkpoints import DataPosition, ResumePoint, checkpoint_save, prefix_blocker, resolve_resume, stock_position
+from .checkpoints import DataPosition, ResumePoint, checkpoint_save, prefix_blocker, resolve_resume
 from .checks import start_up_check
 from .compat import check_trainer_class
 from .config import GradAccArguments, GradAccSettings, resolve_settings
 from .data.loader import (
-    adjust_training_values,
     build_train_dataloader,
     check_train_dataset,
     fetch_batches,
     find_regroup_sampler,
     plan_epoch,
-    skip_first_samples,
 )
 from .data.pack import check_packing_support
 from .distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .errors import GradAccConfigError, GradAccLossError, GradAccUsageError
 from .grads import AccumulatedGradHook, GradAccess
-from .heads import Head, seen_token_count
+from .heads import Head
 from .loss import LossOutput, LossTerm, parse_loss_output
 from .nonfinite import poison_nonfinite
-from .schedule import scheduled_training_values
+from .run_plan import resumed_start, training_values
 from .step import DATA_RAN_OUT, open_window, optimizer_step, train_window
-from .window import LABEL_KEY, PACKED_KEY, MicroBatchCounts, TermLog, Window
+from .window import LABEL_KEY, MicroBatchCounts, TermLog, Window
 
 logger = logging.get_logger(__name__)
 
@@ -421,15 +419,9 @@ class GradAccMixin:
     def _count(self, batch: Mapping[str, Any]) -> MicroBatchCounts:
         """The head's counts, plus the input tokens `include_num_input_tokens_seen` tracks (summed with the counts in
         the step's one collective, not gathered per micro-batch as `Trainer._track_num_input_tokens` does)."""
-        counts = self.head.count(batch)
-        mode = self.args.include_num_input_tokens_seen
-        if mode == "no":
-            return counts
-        main = batch.get(getattr(self.model, "main_input_name", "input_ids"))
-        # a packed row has no padding (and may hold end-of-sequence ids equal to the pad id): every token counts
-        pad_id = None if PACKED_KEY in batch else getattr(self.processing_class, "pad_token_id", None)
-        seen = seen_token_count(main, batch.get("attention_mask"), mode, pad_id, padded=PACKED_KEY not in batch)
-        return replace(counts, num_seen_tokens=seen)
+        main = getattr(self.model, "main_input_name", "input_ids")
+        pad_id = getattr(self.processing_class, "pad_token_id", None)
+        return self.head.count_with_seen_tokens(batch, self.args.include_num_input_tokens_seen, main, pad_id)
 
     # ------------------------------------------------------------------ one micro-batch (Trainer hooks)
     def training_step_context(self) -> contextlib.AbstractContextManager:
@@ -588,93 +580,18 @@ class GradAccMixin:
 
     def set_initial_training_values(self, args, dataloader):
         """`Trainer.set_initial_training_values`, counting optimizer steps as windows when a token budget gives
-        windows more than ``gradient_accumulation_steps`` micro-batches, and agreed across ranks (one collective)."""
-        values = super().set_initial_training_values(args, dataloader)
-        world = self.backend.dp_world_size
-        gather = partial(_gather_on, self.backend, self.args.device) if world > 1 else None
-        values = adjust_training_values(dataloader, args, values, gather)
-        schedule = self.gradacc.accumulation_schedule
-        self._batches_per_epoch = values[5] if has_length(dataloader) else None
-        if schedule is not None:
-            run = scheduled_training_values(
-                schedule, batches_per_epoch=self._batches_per_epoch, num_train_epochs=args.num_train_epochs,
-                max_steps=args.max_steps, samples_per_micro_batch=values[4] // args.gradient_accumulation_steps,
-            )  # fmt: skip
-            logger.info(f"  Accumulation schedule = {schedule} (lr_scaling={self.gradacc.lr_scaling!r}), {run.max_steps} steps")
-            values = (run.num_train_epochs, run.num_update_steps_per_epoch, values[2], run.num_train_samples, values[4],
-                      run.steps_in_epoch, run.max_steps)  # fmt: skip
-        return self._resume_values(args, dataloader, values)
-
-    def _resume_values(self, args, dataloader, values: tuple) -> tuple:
-        """A resume whose checkpoint position (in samples) is not where the stock skip lands (another batch size, GA,
-        schedule or world size): the next epoch of ``dataloader`` leaves out the samples the checkpoint trained, and
-        the run's length counts the rest of that epoch in this run's layout (the scheduler is built on it)."""
-        point = getattr(self, "_resume_point", None)
-        self._resume_at = None
-        if point is None or self._batches_per_epoch is None:
-            return values
-        num_train_epochs, steps_per_epoch, num_examples, num_train_samples, total_batch, batches, max_steps = values
-        schedule = self.gradacc.accumulation_schedule
-        epoch, done = stock_position(
-            point.global_step, num_update_steps_per_epoch=steps_per_epoch, batches_per_epoch=batches,
-            gradient_accumulation_steps=args.gradient_accumulation_steps, schedule=schedule,
-        )  # fmt: skip
-        stock_samples = min(done * self._train_batch_size * args.world_size, len(self.train_dataset))
-        if not point.changed and (epoch, stock_samples) == (point.epoch, point.num_samples):
-            return values  # the stock skip lands on the recorded position: resumed as before, bit for bit
-        if not args.ignore_data_skip and not skip_first_samples(dataloader, point.num_samples, point.epoch):
-            raise GradAccConfigError(
-                f"Resuming at sample {point.num_samples} of epoch {point.epoch} ({', '.join(point.changed)}) needs the "
-                f"training dataloader's index sampler, and {type(dataloader).__name__} has none under a BatchSampler. "
-                "Resume with the checkpoint's layout, or set `resume_data_mismatch='accept'`."
-            )
-        self._resume_at = point
-        remaining = len(dataloader) if not args.ignore_data_skip else batches  # micro-batches per rank left
-        regrouped = find_regroup_sampler(dataloader)
-
-        def steps_of(first_step: int, num_batches: int) -> int:
-            if schedule is not None:
-                return schedule.steps_per_epoch(first_step, num_batches)
-            return math.ceil(num_batches / args.gradient_accumulation_steps)
-
-        left = regrouped.num_windows if regrouped is not None else steps_of(point.global_step, remaining)
-        step, epoch = point.global_step + left, point.epoch + 1
-        if args.max_steps > 0:  # the steps asked for; as many epochs as they take
-            while step < args.max_steps:
-                step, epoch = step + steps_of(step, batches), epoch + 1
-            return (epoch, steps_per_epoch, num_examples, num_train_samples, total_batch, batches, max_steps)
-        while epoch < args.num_train_epochs:  # the epochs asked for; a fraction of one takes that part of its steps
-            in_epoch = steps_of(step, batches)
-            step += in_epoch if args.num_train_epochs - epoch >= 1 else math.ceil((args.num_train_epochs - epoch) * in_epoch)
-            epoch += 1
-        return (num_train_epochs, steps_per_epoch, num_examples, num_train_samples, total_batch, batches, step)
+        windows more than ``gradient_accumulation_steps`` micro-batches (agreed across ranks, one collective), under
+        an ``accumulation_schedule``, and from a resumed checkpoint's recorded position
+        (:func:`~hf_gradacc.run_plan.training_values`)."""
+        return training_values(self, args, dataloader, super().set_initial_training_values(args, dataloader))
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial):
-        """`Trainer._init_training_state`; a resumed run under an ``accumulation_schedule`` finds its epoch and the
-        micro-batches already trained in it from the schedule (windows differ in size)."""
+        """`Trainer._init_training_state`; a resumed run finds its epoch and what it already trained in it from the
+        schedule (windows differ in size) or the checkpoint's record (:func:`~hf_gradacc.run_plan.resumed_start`)."""
         epochs_trained, steps_trained = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
-        schedule = self.gradacc.accumulation_schedule
-        if schedule is not None and self.state.global_step > 0:
-            epochs_trained, done = schedule.locate(self.state.global_step, self._batches_per_epoch)
-            steps_trained = 0 if self.args.ignore_data_skip else done
-        point = self._resume_at
-        if point is not None and resume_from_checkpoint is not None:
-            # The recorded position, not `global_step` over THIS run's steps per epoch (wrong after a change).
-            epochs_trained, steps_trained = point.epoch, 0
-            skipped = "no sample is skipped (`ignore_data_skip=True`)" if self.args.ignore_data_skip else (
-                f"training continues from sample {point.num_samples} of epoch {point.epoch}'s order, in this run's "
-                "layout, every remaining sample once"
-            )  # fmt: skip
-            change = (f"with another data layout ({', '.join(point.changed)})" if point.changed else
-                      "at the position its record gives (an earlier resume changed the layout)")  # fmt: skip
-            logger.warning(
-                f"Resuming {resume_from_checkpoint!r} {change}: the checkpoint (step "
-                f"{point.global_step}) had trained the first {point.num_samples} samples of epoch {point.epoch}; "
-                f"{skipped}; {max_steps} optimizer steps in all."
-            )
-        return epochs_trained, steps_trained
+        return resumed_start(self, epochs_trained, steps_trained, max_steps, resume_from_checkpoint)
 
     # ------------------------------------------------------------------ logging, evaluation, the end
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -713,14 +630,8 @@ class GradAccMixin:
         """`Trainer.save_model`; under FSDP with a sharded state dict, from which transformers 5.23 writes NO model
         (and raises nothing), a warning says so and how to get a full model."""
         super().save_model(output_dir, _internal_call)
-        plugin = getattr(self.accelerator.state, "fsdp_plugin", None) if self.is_fsdp_enabled else None
-        if plugin is not None and not _internal_call and "FULL_STATE_DICT" not in str(plugin.state_dict_type):
-            logger.warning(
-                f"save_model({output_dir or self.args.output_dir!r}) wrote no model: under FSDP with "
-                f"state_dict_type={str(plugin.state_dict_type).split('.')[-1]} transformers saves nothing from "
-                "save_model. Set `fsdp_state_dict_type: FULL_STATE_DICT` in the accelerate config (or "
-                "fsdp_config={'state_dict_type': 'FULL_STATE_DICT'}) to get a full model (see docs/recipes.md)."
-            )
+        if self.is_fsdp_enabled and not _internal_call:
+            warn_if_no_full_model(self.accelerator, output_dir or self.args.output_dir)
 
     def end(self) -> None:
         """`Trainer.end` (finish trackers, destroy the process group), safe at exit on CPU ranks (gloo).
@@ -736,6 +647,3 @@ class GradAccMixin:
         if upstream_end is not None:
             upstream_end()  # trackers; the group is already gone
 
-
-def _gather_on(backend: Backend, device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
-    return backend.all_gather(tensor.to(device)).cpu()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.utils import logging
@@ -285,3 +285,16 @@ def _unsharded_grads(root: torch.nn.Module) -> list[torch.Tensor]:
                 "micro-batches cannot be read with `fsdp_sync='deferred'`; use `fsdp_sync='every_micro_batch'`."
             ) from error
     return grads
+
+
+def warn_if_no_full_model(accelerator: Any, output_dir: str) -> None:
+    """After `Trainer.save_model` under FSDP: with a sharded state dict transformers writes no model (and raises
+    nothing), so say so and how to get a full one."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is not None and "FULL_STATE_DICT" not in str(plugin.state_dict_type):
+        logger.warning(
+            f"save_model({output_dir!r}) wrote no model: under FSDP with "
+            f"state_dict_type={str(plugin.state_dict_type).split('.')[-1]} transformers saves nothing from "
+            "save_model. Set `fsdp_state_dict_type: FULL_STATE_DICT` in the accelerate config (or "
+            "fsdp_config={'state_dict_type': 'FULL_STATE_DICT'}) to get a full model (see docs/recipes.md)."
+        )
