@@ -12,8 +12,11 @@ check that every sample of the epoch is trained exactly once.
     accelerate launch --config_file examples/accelerate_configs/ddp_cpu.yaml examples/resume_with_new_layout.py \
         --output_dir out --use_cpu true --num_train_epochs 1 --gradient_accumulation_steps 2 --save_steps 2
 
-Stopping run A with `--max_steps 2` also gives checkpoint-2, but its learning-rate schedule then ends at step 2:
-the optimizer state holds the rate 0, and the first step of run B trains at that rate (as the stock Trainer does).
+The learning-rate schedule of run B is its own (its length counted in its layout) from its first step: the
+checkpoint's optimizer holds the rate run A's schedule set for step 3, and hf_gradacc replaces it with run B's
+before that step. Stopping run A with `--max_steps 2` gives checkpoint-2 too, but a run B that keeps A's layout then
+resumes as the stock Trainer does: A's schedule ended at step 2, the optimizer holds the rate 0, and B's first
+step trains at that rate.
 
 The script is shaped like transformers' run_clm.py: HfArgumentParser over a ModelArguments dataclass and
 hf_gradacc's GradAccConfig (every TrainingArguments and every hf_gradacc field is a flag), a `datasets.Dataset`

@@ -422,13 +422,13 @@ def check_data_layout(
     hard = [name for name in differs if name not in _RELAYOUT_FIELDS]
     why_not = None
     if differs and not hard:
-        if position is None or position.num_samples is None:
+        if blocker is not None:  # this run's own reason (the same as the saved run's when its settings are kept)
+            why_not = blocker
+        elif position is None or position.num_samples is None:
             why_not = "the checkpoint did not record its position in samples" + (
                 " (its samples were not a prefix of the epoch's order: no dataset length, or group_by_length)"
                 if position is not None else " (saved by an older hf_gradacc)"
             )  # fmt: skip
-        elif blocker is not None:
-            why_not = blocker
     if hard or why_not is not None:
         changes = ", ".join(f"{name}={saved[name]!r} (this run: {current.get(name)!r})" for name in differs)
         reason = (
@@ -446,7 +446,8 @@ def check_data_layout(
         raise GradAccConfigError(
             f"`resume_from_checkpoint` ({path!r}) was saved at step {step} with {changes}; {reason}. The resume would "
             "skip `global_step` times THIS run's samples per step of the epoch's order, so samples would be lost or "
-            "trained twice, silently. Resume with the checkpoint's values, set `resume_data_mismatch='accept'` to "
+            "trained twice, silently. Resume with the checkpoint's values, set `resume_data_mismatch='accept'` "
+            "(`--resume_data_mismatch accept` on a command line) to "
             "resume anyway, or start a new run from its weights (`from_pretrained` on the folder) without "
             "`resume_from_checkpoint`."
         )

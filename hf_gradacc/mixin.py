@@ -51,7 +51,7 @@ from .grads import AccumulatedGradHook, GradAccess
 from .heads import Head
 from .loss import LossOutput, LossTerm, parse_loss_output
 from .nonfinite import poison_nonfinite
-from .run_plan import resumed_start, training_values
+from .run_plan import realign_learning_rate, resumed_start, training_values
 from .step import DATA_RAN_OUT, open_window, optimizer_step, train_window
 from .window import LABEL_KEY, MicroBatchCounts, TermLog, Window
 
@@ -328,6 +328,7 @@ class GradAccMixin:
         first_sample = self._resume_at.num_samples if relayout and not self.args.ignore_data_skip else 0
         regrouped = find_regroup_sampler(train_dataloader)
         if relayout:
+            realign_learning_rate(self)  # the optimizer holds the rate the checkpoint's schedule set for this step
             steps_in_epoch = len(train_dataloader)  # the micro-batches left after the skipped samples, per rank
             num_update_steps_per_epoch = (
                 regrouped.num_windows if regrouped is not None

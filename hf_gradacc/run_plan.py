@@ -112,9 +112,30 @@ def resumed_start(
     logger.warning(
         f"Resuming {resume_from_checkpoint!r} {change}: the checkpoint (step "
         f"{point.global_step}) had trained the first {point.num_samples} samples of epoch {point.epoch}; "
-        f"{skipped}; {max_steps} optimizer steps in all."
+        f"{skipped}; {max_steps} optimizer steps in all ({max_steps - point.global_step} more)."
     )
     return point.epoch, 0
+
+
+def realign_learning_rate(trainer: Any) -> None:
+    """After a resume with another layout: the checkpoint's optimizer holds the rate the OLD schedule set for the
+    next step (its length counted in the old layout), and the scheduler only recomputes it after that step. Set the
+    rate of THIS run's schedule at ``global_step`` before the first resumed step, so that every step of the run
+    follows one schedule. A scheduler other than a `LambdaLR` (transformers' schedules are) is left alone, with a
+    warning."""
+    scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)  # accelerate's wrapper
+    if scheduler is None or trainer.optimizer is None:
+        return
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        logger.warning(
+            f"Resuming with another data layout: the first resumed step keeps the learning rate the checkpoint's "
+            f"{type(scheduler).__name__} set (from the old run's length); this run's schedule takes over after it."
+        )
+        return
+    rates = [base * rule(scheduler.last_epoch) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, rate in zip(trainer.optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler.load_state_dict({**scheduler.state_dict(), "_last_lr": rates})  # what get_last_lr() reports
 
 
 def _gather_on(backend: Any, device: torch.device, tensor: torch.Tensor) -> torch.Tensor:

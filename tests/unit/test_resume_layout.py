@@ -198,3 +198,15 @@ def test_regrouped_and_packed_windows_resume_by_samples(tmp_path, setting) -> No
     _assert_once_each(_ids(a["steps"], end=2) + _ids(b["steps"]))
     assert sorted(_ids(b["steps"])) == sorted(_ids(a["steps"], first=2))
     assert "first 8 samples of epoch 0" in _one_layout_warning(b)
+
+
+def test_the_first_resumed_step_takes_the_new_schedules_learning_rate(tmp_path) -> None:
+    """The checkpoint's optimizer holds the rate the OLD schedule (6 steps) set for step 3; the resumed run (GA 4:
+    2 more steps, 4 in all) must use its own linear schedule from its first step: 0.1 x (1 - 2/4), then 0.1 x (1 -
+    3/4); the old schedule's 0.1 x (1 - 2/6) on step 3 is a step off the run's schedule."""
+    a = train_run(str(tmp_path / "a"), batch=2, ga=2, lr_scheduler_type="linear")
+    assert a["learning_rates"][:3] == pytest.approx([0.1, 0.1 * 5 / 6, 0.1 * 4 / 6])
+    b = train_run(str(tmp_path / "b"), batch=2, ga=4, lr_scheduler_type="linear",
+                  resume=str(tmp_path / "a" / "checkpoint-2"))  # fmt: skip
+    assert b["global_step"] == 4
+    assert b["learning_rates"][-2:] == pytest.approx([0.1 * 2 / 4, 0.1 * 1 / 4])  # the history holds A's first 2

@@ -114,6 +114,7 @@ def train_run(
         "global_step": trainer.state.global_step,
         "train_loss": output.training_loss,
         "step_losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "learning_rates": [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h],
         "params": {n: p.detach().cpu().tolist() for n, p in trainer.model.named_parameters()},
     }
 
