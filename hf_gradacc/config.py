@@ -142,10 +142,10 @@ class GradAccArguments:
     fused_lm_head: bool | None = field(
         default=None,
         metadata={
-            "help": "Causal LMs: apply the LM head only to the positions whose target counts, in tiles, never "
-            "materialising [tokens x vocabulary] logits (exact SUM and gradient). True: on (an unsupported model or "
-            "setup raises); None (default) and False: off. One process, DDP, DeepSpeed ZeRO-1/2/3 and FSDP2; see "
-            "docs/memory.md."
+            "help": "Apply the LM head only to the positions whose target counts, in tiles, never materialising "
+            "[tokens x vocabulary] logits (exact SUM and gradient). Causal LMs (MoE included) on one process, DDP, "
+            "DeepSpeed ZeRO-1/2/3 and FSDP2; seq2seq and masked-LM heads on one process. True: on (an unsupported "
+            "model or setup raises); None (default) and False: off. See docs/memory.md."
         },
     )
     regroup_micro_batches: bool = field(
