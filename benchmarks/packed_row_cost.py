@@ -9,7 +9,7 @@ squared. This script times forward + backward of the same ten samples (about 102
 packed row, as two packed rows, and as one padded batch, for each attention implementation, and prints milliseconds
 per pass (median of the repeats after two warm-up passes).
 
-``--fit`` calibrates the attention-cost model of packing instead (:class:`hf_gradacc.data.pack.AttentionCostModel`):
+``--fit`` calibrates the attention-cost model of packing instead (:class:`hf_gradacc.data.attention_cost.AttentionCostModel`):
 it times padded batches ``[n, L]`` and packed rows ``[1, T]`` of several shapes, fits ``time = per_micro_batch +
 per_token * positions + per_score * attention scores`` by least squares (scores: ``n * L^2`` padded, ``T^2`` packed
 on a dense kernel), and prints the fitted ratios next to the ones the model derives from the config:
@@ -68,7 +68,7 @@ FIT_PACKED = (128, 256, 512, 1024, 2048)
 
 def fit(model: torch.nn.Module, vocab_size: int, repeats: int) -> None:
     """Time the FIT_* layouts with sdpa, fit the three coefficients, print them against the config's model."""
-    from hf_gradacc.data.pack import AttentionCostModel
+    from hf_gradacc.data.attention_cost import AttentionCostModel
 
     shapes = []  # (micro-batches, positions, scores, ms)
     for rows, length in FIT_PADDED:

@@ -44,7 +44,7 @@ from .data.loader import (
     find_regroup_sampler,
     plan_epoch,
 )
-from .data.pack import check_packing_support
+from .data.pack_check import check_packing_support
 from .distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .errors import GradAccConfigError, GradAccLossError, GradAccUsageError
 from .grads import AccumulatedGradHook, GradAccess

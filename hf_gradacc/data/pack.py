@@ -10,7 +10,7 @@ model keeps the samples of a row apart. This module uses that freedom:
    short last step are the stock ones) and :func:`pack_window` packs each step's samples into the fewest rows of at
    most ``max_tokens`` tokens that every rank can hold in the same number of micro-batches, with the tokens balanced
    over micro-batches and ranks. No sample is split.
-   With a dense attention kernel (eager, sdpa) :func:`cheapest_plan` picks, by an :class:`AttentionCostModel`,
+   With a dense attention kernel (eager, sdpa) :func:`cheapest_plan` picks, by an :class:`~hf_gradacc.data.attention_cost.AttentionCostModel`,
    between those rows, smaller ones and the padded regrouping of the step, so that packing never costs more than
    the padded layout it replaces.
 2. :class:`PackedCollator` turns one micro-batch into ONE padding-free row (or, with a cost model, pads the
@@ -19,7 +19,7 @@ model keeps the samples of a row apart. This module uses that freedom:
    ``transformers.DataCollatorWithFlattening`` emits). No ``attention_mask``: transformers then finds the sequences
    in the restarting ``position_ids`` and builds a block-diagonal causal mask (eager, sdpa, flex attention) or calls
    the variable-length flash kernels.
-3. :func:`check_packing_support` refuses a model that would let the samples of a row attend to each other: there
+3. :func:`~hf_gradacc.data.pack_check.check_packing_support` refuses a model that would let the samples of a row attend to each other: there
    is no error from transformers in that case, only a wrong loss.
 
 What counts is unchanged: a packed row's targets after the causal shift are exactly the padded batch's (each
@@ -28,7 +28,8 @@ sample's own tokens 1..n-1), and its input positions are the real tokens.
 Example:
     ```python
     from torch.utils.data import DataLoader, SequentialSampler
-    from hf_gradacc.data.pack import PackedCollator, WindowPackBatchSampler, check_packing_support
+    from hf_gradacc.data.pack import PackedCollator, WindowPackBatchSampler
+    from hf_gradacc.data.pack_check import check_packing_support
 
     check_packing_support(model)                   # after Trainer.__init__ (it sets `model.config.use_cache`)
     batch_sampler = WindowPackBatchSampler(
@@ -42,7 +43,6 @@ Example:
 from __future__ import annotations
 
 import heapq
-import inspect
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,144 +53,8 @@ from torch.utils.data import Sampler
 
 from ..errors import GradAccConfigError, GradAccDataError
 from ..loss import IGNORE_INDEX
+from .attention_cost import AttentionCostModel
 from .regroup import WindowRegroupBatchSampler
-
-# Attention implementations of transformers that keep the sequences of a packed row apart when the batch has
-# `position_ids` that restart at 0 and no `attention_mask`: the mask builders of `masking_utils` (eager, sdpa, flex)
-# turn the restarts into a block-diagonal causal mask, the flash ones call their variable-length kernels.
-PACKED_ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = (
-    "eager",
-    "sdpa",
-    "flex_attention",
-    "flash_attention_2",
-    "flash_attention_3",
-    "flash_attention_4",
-)
-
-# Model types whose packed rows were measured equal to the separate samples (eager, and sdpa where the model has it;
-# transformers 5.23):
-# trusted by `check_packing_support` when its probe cannot run (parameters on the meta device or sharded).
-VERIFIED_PACKED_MODEL_TYPES: frozenset[str] = frozenset(
-    {"llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "gemma2", "gpt_neox", "gptj", "gpt2"}
-)
-
-# Relative tolerance (to the largest logit + 1) of the probe of `check_packing_support`. A model that keeps the
-# samples of a row apart computes the probed sample from the same numbers whatever precedes it (1e-7 and below in
-# float32); the leaks measured on tiny random models move its logits by 3.7e-3 (BERT as a decoder, near-uniform
-# attention) to 0.23 (Falcon). Half precision rounds logits to ~4e-3 of their size: its probe is best effort. The
-# second tolerance compares the sample packed with the sample alone (other shapes, so other rounding).
-_PROBE_RTOL: dict[torch.dtype, tuple[float, float]] = {torch.float64: (1e-9, 1e-7), torch.float32: (1e-5, 1e-4)}
-_PROBE_RTOL_HALF = (2e-3, 5e-2)
-
-
-# ---------------------------------------------------------------------------------------------- the cost model
-# Calibration of AttentionCostModel.for_model on a CPU (eager / sdpa, float32, one thread), by
-# `python benchmarks/packed_row_cost.py --fit`: a dense attention score costs _SCORE_FLOP_FACTOR times its matrix-product
-# FLOPs (the mask, the softmax and their backward are memory-bound), and a micro-batch costs a fixed
-# _MICRO_BATCH_FLOPS_PER_LAYER per layer (kernel launches, Python) on top of its positions.
-_SCORE_FLOP_FACTOR = 0.43
-_MICRO_BATCH_FLOPS_PER_LAYER = 7.2e7
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionCostModel:
-    """The cost of one micro-batch's forward and backward pass, in units of one token position's cost, that
-    :class:`WindowPackBatchSampler` minimises and :class:`PackedCollator` lays each micro-batch out by.
-
-    A micro-batch of samples with lengths ``l_1..l_n`` (``T`` their sum, ``L`` the longest) costs ``per_micro_batch
-    + positions + per_score * scores``: as ONE packed row, ``T`` positions and, with a ``dense`` attention kernel
-    (eager and sdpa compute every score of the row and mask the cross-sample ones), ``T^2`` scores, else (the
-    variable-length flash kernels, flex attention's block mask) ``sum l_i^2``; padded to ``[n, L]``, ``n L``
-    positions and ``n L^2`` scores. A dense row of a few long samples is costlier than the same samples padded: the
-    collator then pads them (when ``padded_layout``) and the sampler packs rows only where that pays.
-
-    Args:
-        per_score: cost of one attention score (a query-key pair, all layers) per position's cost.
-        per_micro_batch: fixed cost of a micro-batch (a forward and backward call), in positions.
-        dense: True when a packed row's attention is dense (``T^2``).
-        padded_layout: True when the collator may pad a micro-batch instead of packing it (hf_gradacc's
-            :class:`PackedCollator`; False for a collator that always packs, such as TRL's).
-
-    Example:
-        ```python
-        from hf_gradacc.data.pack import AttentionCostModel
-
-        cost = AttentionCostModel(per_score=2e-3, per_micro_batch=500.0)
-        cost.packs([100] * 8)          # False: one dense row of 800 tokens costs more than [8, 100] padded
-        cost.packs([300, 20, 10])      # True: little attention saved by padding, 570 padded positions saved
-        ```
-    """
-
-    per_score: float
-    per_micro_batch: float = 0.0
-    dense: bool = True
-    padded_layout: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("per_score", "per_micro_batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
-                raise GradAccConfigError(f"AttentionCostModel `{name}` ({value!r}) must be a finite number >= 0")
-
-    def packed_cost(self, lengths: Sequence[int]) -> float:
-        """Cost of ``lengths`` as one packed row."""
-        total = sum(lengths)
-        scores = total * total if self.dense else sum(n * n for n in lengths)
-        return self.per_micro_batch + total + self.per_score * scores
-
-    def padded_cost(self, lengths: Sequence[int]) -> float:
-        """Cost of ``lengths`` padded to ``[len(lengths), max(lengths)]``."""
-        longest = max(lengths)
-        return self.per_micro_batch + len(lengths) * longest * (1 + self.per_score * longest)
-
-    def packs(self, lengths: Sequence[int]) -> bool:
-        """True when ``lengths`` go into one packed row; False when padding them costs less (``padded_layout``)."""
-        if not self.padded_layout or not self.dense or len(lengths) == 1:
-            return True  # per-sample attention: a row never costs more than the padded batch (fewer positions)
-        return self.packed_cost(lengths) <= self.padded_cost(lengths)
-
-    def cost(self, lengths: Sequence[int]) -> float:
-        """Cost of ``lengths`` in the layout :meth:`packs` picks."""
-        return self.packed_cost(lengths) if self.packs(lengths) else self.padded_cost(lengths)
-
-    @classmethod
-    def for_model(cls, model: torch.nn.Module, *, padded_layout: bool = True) -> AttentionCostModel:
-        """The cost model of ``model``'s config, from FLOPs: a position costs 6 FLOPs per weight it multiplies (the
-        input embedding is a lookup), a score ``12 x attention width x layers`` FLOPs times a dense kernel's
-        overhead factor, a micro-batch a fixed cost per layer (both factors calibrated on a CPU by
-        ``benchmarks/packed_row_cost.py --fit``). ``dense`` unless the attention implementation is a flash or flex
-        one.
-
-        Example:
-            ```python
-            from hf_gradacc.data.pack import AttentionCostModel
-            from hf_gradacc.testing.tiny import build_tiny_model
-
-            AttentionCostModel.for_model(build_tiny_model("causal_lm")).dense     # True: sdpa on CPU
-            ```
-        """
-        base = _unwrap(model)
-        config = getattr(base, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        layers = int(getattr(text, "num_hidden_layers", 0) or 1)
-        hidden = int(getattr(text, "hidden_size", 0) or 1)
-        heads = int(getattr(text, "num_attention_heads", 0) or 1)
-        head_dim = int(getattr(text, "head_dim", 0) or hidden // heads)
-        embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
-        skip = {id(p) for p in embedding.parameters()} if embedding is not None else set()
-        head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-        if head is not None and any(id(p) in skip for p in head.parameters()):  # tied: the head still multiplies
-            skip -= {id(p) for p in head.parameters()}
-        shapes = [(id(p), tuple(getattr(p, "ds_shape", p.shape))) for p in base.parameters()]  # ZeRO-3: full shape
-        weights = sum(math.prod(shape) for key, shape in shapes if len(shape) >= 2 and key not in skip)
-        per_position = 6.0 * max(weights, 1)
-        attn = str(getattr(config, "_attn_implementation", None) or "")
-        return cls(
-            per_score=_SCORE_FLOP_FACTOR * 12.0 * heads * head_dim * layers / per_position,
-            per_micro_batch=_MICRO_BATCH_FLOPS_PER_LAYER * layers / per_position,
-            dense=not (attn.startswith("flash") or attn.startswith("flex")),
-            padded_layout=padded_layout,
-        )
 
 
 # ---------------------------------------------------------------------------------------------- one window
@@ -429,7 +293,7 @@ class WindowPackBatchSampler(WindowRegroupBatchSampler):
             masked ``T x T`` score matrix per row, which grows with the row's square (the flash kernels and flex
             attention skip the masked blocks): with those, give a ``cost_model``. For predictable memory and
             compiled shapes, set a fixed budget.
-        cost_model: an :class:`AttentionCostModel` (the trainer passes :meth:`AttentionCostModel.for_model`). When
+        cost_model: an :class:`~hf_gradacc.data.attention_cost.AttentionCostModel` (the trainer passes :meth:`~hf_gradacc.data.attention_cost.AttentionCostModel.for_model`). When
             its attention is ``dense``, each step gets the cheapest plan of :func:`cheapest_plan` (fewest rows,
             smaller rows, or the padded regrouping), and the collator must be ``PackedCollator(cost_model=...)`` with
             the same model, which pads the micro-batches that cost less padded. ``None``: the fewest rows.
@@ -561,7 +425,7 @@ class PackedCollator:
     ``labels`` (same length; lists or 1-D tensors) and an all-ones ``attention_mask``; anything else is an error.
     The lengths of the samples are ``cu_seq_lens_q.diff()`` (:func:`packed_sequence_lengths`).
 
-    With ``cost_model`` (an :class:`AttentionCostModel`, the one given to :class:`WindowPackBatchSampler`), a
+    With ``cost_model`` (an :class:`~hf_gradacc.data.attention_cost.AttentionCostModel`, the one given to :class:`WindowPackBatchSampler`), a
     micro-batch that costs less padded than as one dense row (:meth:`AttentionCostModel.packs` is False) is returned
     padded instead: ``input_ids`` ``[n, longest]`` right-padded with ``pad_token_id``, ``labels`` padded with
     ``ignore_index`` (each sample's first label masked as above, which the causal shift drops anyway) and an
@@ -678,150 +542,3 @@ def packed_sequence_lengths(batch: Mapping[str, Any]) -> list[int]:
     if not starts or starts[0] != 0:
         raise GradAccDataError("The `position_ids` of a packed row must start at 0 for its first sample.")
     return [b - a for a, b in zip(starts, [*starts[1:], positions.shape[1]])]
-
-
-# ---------------------------------------------------------------------------------------------- the model
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    from ..heads import unwrap_model
-
-    return unwrap_model(model)
-
-
-def _can_probe(model: torch.nn.Module) -> bool:
-    """True when every parameter is a plain local tensor with data: not on the meta device, not a DTensor shard
-    (FSDP2), not a DeepSpeed ZeRO-3 partition. A forward pass on one rank then needs no collective."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without distributed support has no shards
-        DTensor = ()  # noqa: N806
-    for param in model.parameters():
-        if param.is_meta or hasattr(param, "ds_id") or isinstance(param, DTensor) or isinstance(param.data, DTensor):
-            return False
-    return True
-
-
-def _probe_packing(model: torch.nn.Module) -> None:
-    """Run two packed rows ``[a, c]`` and ``[b, c]`` (``a`` and ``b`` differ) and ``c`` alone: a model that keeps the
-    samples apart gives ``c`` the same logits in all three. Raises :class:`GradAccConfigError` otherwise."""
-    config = model.config
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    if vocab < 3:
-        raise GradAccConfigError(
-            f"check_packing_support cannot probe {type(model).__name__}: its config has no usable `vocab_size` "
-            f"({vocab!r}). Pass `probe=False` if you have checked that it honours packed `position_ids`."
-        )
-    device = next(model.parameters()).device
-    # Two prefixes of one repeated token each (their attention averages differ the most), then a short sample.
-    a, b = [1] * 16, [vocab - 1] * 16
-    c = torch.randint(2, vocab - 1, (2,), generator=torch.Generator().manual_seed(0)).tolist()
-    collate = PackedCollator()
-    rows = [collate([{"input_ids": x}, {"input_ids": c}]) for x in (a, b)] + [collate([{"input_ids": c}])]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits = []
-            for row in rows:
-                inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in row.items() if k != "labels"}
-                logits.append(model(**inputs).logits[0, -len(c) :].double().cpu())
-    except TypeError as error:
-        raise GradAccConfigError(
-            f"{type(model).__name__}.forward does not take the keys of a packed row ({sorted(rows[0])}): {error}"
-        ) from error
-    finally:
-        model.train(was_training)
-    dtype = next(model.parameters()).dtype
-    leak_rtol, shift_rtol = _PROBE_RTOL.get(dtype, _PROBE_RTOL_HALF)
-    scale = float(logits[2].abs().max()) + 1.0
-    leak = float((logits[0] - logits[1]).abs().max()) / scale
-    shift = float((logits[0] - logits[2]).abs().max()) / scale
-    attn = getattr(config, "_attn_implementation", None)
-    where = f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}, attention {attn!r})"
-    if leak > leak_rtol:
-        raise GradAccConfigError(
-            f"{where} lets the samples of a packed row attend to each other: the logits of a sample change by "
-            f"{leak:.1e} (relative) when the sample before it in the row changes. Its forward does not turn the "
-            "restarting `position_ids` into separate sequences; packing would silently train on cross-sample "
-            "attention. Do not pack this model with this attention implementation (the flash ones read the sequences "
-            "inside each attention layer, where the model passes `position_ids` down)."
-        )
-    if shift > shift_rtol:
-        raise GradAccConfigError(
-            f"{where} gives a packed sample other logits than the same sample alone ({shift:.1e} relative): it does "
-            "not restart positions at the `position_ids` of a packed row. Do not pack this model."
-        )
-
-
-def check_packing_support(model: torch.nn.Module, *, probe: bool = True) -> None:
-    """Raise :class:`~hf_gradacc.GradAccConfigError`, with the reason, when ``model`` cannot train on the packed rows
-    of :class:`PackedCollator` exactly as on the same samples padded; return None when it can.
-
-    The rules, in order: a decoder-only causal LM (``config.is_encoder_decoder`` and ``config.is_causal=False``
-    fail: an encoder's bidirectional mask is built from ``attention_mask`` only); its ``forward`` takes
-    ``position_ids``; its attention implementation is one of :data:`PACKED_ATTENTION_IMPLEMENTATIONS`;
-    ``config.use_cache`` is off (transformers looks for packed sequences only without a cache, and the model
-    creates one when ``use_cache`` is on: ``Trainer.__init__`` sets it from ``TrainingArguments.use_cache``, False
-    by default, so call this after it). Then, with ``probe``, a forward pass of a few tokens checks that a sample's
-    logits do not depend on the sample packed before it and equal those of the sample alone: models whose forward
-    takes ``position_ids`` but does not pass them to the mask (OPT, Falcon, BERT as a decoder) fail there. When the
-    parameters cannot run a forward pass on their own (meta device, FSDP2 or ZeRO-3 shards) the model type must be
-    one of :data:`VERIFIED_PACKED_MODEL_TYPES`.
-
-    Example:
-        ```python
-        from hf_gradacc.data.pack import check_packing_support
-        from hf_gradacc.testing.tiny import build_tiny_model
-
-        model = build_tiny_model("causal_lm")
-        model.config.use_cache = False      # what Trainer.__init__ does with the default TrainingArguments
-        check_packing_support(model)        # passes: Llama with sdpa honours packed position_ids
-        ```
-    """
-    from ..heads import detect_head_type
-
-    base = _unwrap(model)
-    name = type(base).__name__
-    config = getattr(base, "config", None)
-    if config is None:
-        raise GradAccConfigError(f"{name} has no `config`: packing is supported for transformers models only.")
-    if getattr(config, "is_encoder_decoder", False):
-        raise GradAccConfigError(
-            f"{name} is an encoder-decoder model: packed rows are for decoder-only causal LMs (the encoder's "
-            "bidirectional mask is built from `attention_mask`, which a packed row does not have)."
-        )
-    head = detect_head_type(base)
-    if head != "causal_lm" or getattr(config, "is_causal", True) is False:
-        raise GradAccConfigError(
-            f"{name} is a {head or 'unknown'} model, not a causal LM: packed rows are for decoder-only causal LMs "
-            "(transformers separates packed sequences in causal masks only; a bidirectional encoder would attend "
-            "across samples)."
-        )
-    if "position_ids" not in inspect.signature(base.forward).parameters:
-        raise GradAccConfigError(
-            f"{name}.forward takes no `position_ids`: it cannot restart positions per sample nor tell the samples "
-            "of a packed row apart (e.g. ALiBi models such as BLOOM)."
-        )
-    attn = getattr(config, "_attn_implementation", None)
-    if attn not in PACKED_ATTENTION_IMPLEMENTATIONS:
-        raise GradAccConfigError(
-            f"{name} uses the attention implementation {attn!r}, which transformers does not give packed sequences "
-            f"to; use one of {PACKED_ATTENTION_IMPLEMENTATIONS} (`attn_implementation` of `from_pretrained`)."
-        )
-    if getattr(config, "use_cache", False):
-        raise GradAccConfigError(
-            f"{name} has `config.use_cache=True`: with a cache transformers does not look for packed sequences and "
-            "the samples of a row would attend to each other. Keep `use_cache=False` (`TrainingArguments.use_cache`, "
-            "which `Trainer.__init__` copies to the model's config)."
-        )
-    if not probe:
-        return
-    if _can_probe(base):
-        _probe_packing(base)
-        return
-    model_type = getattr(config, "model_type", None)
-    if model_type not in VERIFIED_PACKED_MODEL_TYPES:
-        raise GradAccConfigError(
-            f"{name} (model_type {model_type!r}) cannot be probed here (its parameters are sharded or on the meta "
-            f"device) and is not one of the verified model types {sorted(VERIFIED_PACKED_MODEL_TYPES)}. Call "
-            "check_packing_support before sharding it, or pass `probe=False` if you have checked it yourself."
-        )

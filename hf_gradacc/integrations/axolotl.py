@@ -57,7 +57,7 @@ from pydantic import BaseModel, Field, field_validator
 from transformers import Trainer
 
 from ..config import GradAccArguments, resolve_settings
-from ..data.pack import check_packing_support
+from ..data.pack_check import check_packing_support
 from ..errors import GradAccConfigError
 from ..exact import make_exact
 from ..loss import IGNORE_INDEX

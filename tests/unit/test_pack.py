@@ -15,17 +15,16 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from hf_gradacc import GradAccConfigError
 from hf_gradacc.compat import shard_even_batches
 from hf_gradacc.data import WindowRegroupBatchSampler, stock_windows
+from hf_gradacc.data.attention_cost import AttentionCostModel
 from hf_gradacc.data.pack import (
-    VERIFIED_PACKED_MODEL_TYPES,
-    AttentionCostModel,
     PackedCollator,
     WindowPackBatchSampler,
     cheapest_plan,
-    check_packing_support,
     pack_window,
     packed_sequence_lengths,
     plan_cost,
 )
+from hf_gradacc.data.pack_check import VERIFIED_PACKED_MODEL_TYPES, check_packing_support
 from hf_gradacc.data.regroup import _count_groups, regroup_window
 from hf_gradacc.errors import GradAccDataError
 from hf_gradacc.heads import input_token_count
