@@ -1,6 +1,7 @@
-"""CPU benchmark: the stock Trainer against GradAccTrainer (plain, regrouped, token budget), in one run.
+"""CPU benchmark: the stock Trainer (random, group_by_length, batch_rebalance, flattening) against GradAccTrainer
+(plain, regrouped, token budget, packed), in one run (docs/benchmarks.md, the current record).
 
-    python benchmarks/bench_cpu.py                       # the numbers of docs/benchmarks.md
+    python benchmarks/bench_cpu.py                       # every default trainer, equal and long-tailed data
     python benchmarks/bench_cpu.py --steps 2 --json out.json
 
 Scale: the issue's bs 8 x GA 8 and long-tailed lengths (log-normal, median 100, max 1024) on a tiny Llama
