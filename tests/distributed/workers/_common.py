@@ -43,6 +43,16 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def pack_rows_always() -> None:
+    """`pack_micro_batches` lays every micro-batch out as ONE packed row, as on a device with a variable-length
+    attention kernel (flash / flex on a GPU): these workers test the packed rows under each backend. On this CPU
+    (sdpa, dense attention) the trainer's cost model would pad the micro-batches that cost less padded; that choice
+    is tested on one process (tests/unit/test_pack.py, test_packing.py)."""
+    from hf_gradacc.data.attention_cost import AttentionCostModel
+
+    AttentionCostModel.for_model = classmethod(lambda cls, model, padded_layout=True: None)  # type: ignore[method-assign]
+
+
 def write_result(name: str, payload: dict[str, Any]) -> Path:
     """Write this rank's result ``name`` as ``<out>/<name>.rank<r>.json`` (atomically)."""
     path = out_dir() / f"{name}.rank{rank()}.json"

@@ -43,7 +43,14 @@ from hf_gradacc.errors import GradAccDataError
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.reference import compare, reference_gradients
 from hf_gradacc.testing.tiny import ListDataset, ListIterableDataset, PaddingCollator, build_tiny_model, make_samples
-from tests.distributed.workers._common import WarningRecorder, finish_worker, rank, world_size, write_result
+from tests.distributed.workers._common import (
+    WarningRecorder,
+    finish_worker,
+    pack_rows_always,
+    rank,
+    world_size,
+    write_result,
+)
 
 TASK = "causal_lm"
 W = world_size()
@@ -462,6 +469,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=("ddp", "zero2", "fsdp2"), required=True)
     parser.add_argument("--cases", required=True, help=f"comma-separated, from {sorted(CASES)}")
     opts = parser.parse_args()
+    pack_rows_always()
     names = [n for n in opts.cases.split(",") if n]
     unknown = sorted(set(names) - set(CASES))
     if unknown:

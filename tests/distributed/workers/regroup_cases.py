@@ -18,7 +18,14 @@ import torch.distributed as dist
 from hf_gradacc import GradAccConfig, GradAccTrainer
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
-from tests.distributed.workers._common import DDPCommHookCounter, finish_worker, rank, world_size, write_result
+from tests.distributed.workers._common import (
+    DDPCommHookCounter,
+    finish_worker,
+    pack_rows_always,
+    rank,
+    world_size,
+    write_result,
+)
 
 BS, GA = 2, 4
 BUDGET = 40
@@ -32,6 +39,7 @@ MODES = {
 
 def _worker() -> None:
     torch.set_num_threads(1)
+    pack_rows_always()
     world = world_size()
 
     class Probe(GradAccTrainer):
