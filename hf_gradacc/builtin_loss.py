@@ -14,7 +14,7 @@ from transformers.utils import logging
 from .auxiliary import model_aux_terms
 from .checks import LossCheck, agree, check_builtin
 from .errors import GradAccConfigError, GradAccDataError, GradAccLossError
-from .fused_head import fused_causal_lm_sum, fused_row_check, fused_support_problem
+from .fused_head import fused_causal_lm_sum, fused_row_check
 from .heads import Head, input_token_count, unwrap_model
 from .loss import LossOutput, LossTerm, causal_targets
 from .memory import is_out_of_memory
@@ -118,9 +118,6 @@ def _fused_loss(
     denominator: str,
     check: bool,
 ) -> tuple[dict[str, LossTerm], Any]:
-    problem = fused_support_problem(model, head.type)
-    if problem is not None:
-        raise GradAccConfigError(f"`fused_lm_head=True` cannot run here: {problem}. Set `fused_lm_head=False`.")
     ignore = head.ignore_index
     if LABEL_KEY in inputs:  # a seq2seq model that builds its decoder inputs from the labels would compute its loss
         raise GradAccConfigError(

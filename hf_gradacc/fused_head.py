@@ -148,10 +148,11 @@ class FusedOutput:
     backbone: Any = None
 
 
-def fused_support_problem(model: nn.Module, head_type: str | None) -> str | None:
+def fused_support_problem(model: nn.Module, head_type: str | None, *, distributed: bool = False) -> str | None:
     """Why ``fused_lm_head`` cannot run on ``model`` (wrapped or not), or None when it can: a causal LM with an output
-    layer, on one process or under DDP, DeepSpeed ZeRO-1/2/3 or FSDP2 (mixtures of experts included); a seq2seq or
-    masked LM whose output layer projects every position, on one process."""
+    layer, on one process or (``distributed``) under any backend GradAccTrainer resolves (DDP, DeepSpeed ZeRO-1/2/3,
+    FSDP2; mixtures of experts included); a seq2seq or masked LM whose output layer projects every position, on one
+    process."""
     from .heads import unwrap_model
 
     base = unwrap_model(model)
@@ -166,40 +167,30 @@ def fused_support_problem(model: nn.Module, head_type: str | None) -> str | None
         return (
             f"{type(base).__name__} adds a non-zero `final_logits_bias` to its logits, which the fused head does not"
         )
-    if (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    ):
-        if head_type not in DISTRIBUTED_FUSED_HEADS:
-            return f"the {head_type!r} head is tested on one process only; on several, {DISTRIBUTED_FUSED_HEADS}"
-        backend = distributed_backend(model)
-        if backend is None:
-            return (
-                f"{torch.distributed.get_world_size()} processes with a {type(model).__name__} (not wrapped by DDP, "
-                f"DeepSpeed or FSDP2); the fused LM head is tested with those backends only"
-            )
+    if distributed and head_type not in DISTRIBUTED_FUSED_HEADS:
+        return f"the {head_type!r} head is tested on one process only; on several, {DISTRIBUTED_FUSED_HEADS}"
     return None
 
 
-def distributed_backend(model: nn.Module) -> str | None:
-    """The data-parallel wrapper of ``model`` the fused head is tested with: ``"ddp"``, ``"deepspeed"``, ``"fsdp2"``,
-    or None (no wrapper, FSDP1, or another one)."""
-    from torch.nn.parallel import DistributedDataParallel
+def check_fused_setting(trainer: Any) -> None:
+    """Once, at construction, with ``fused_lm_head=True``: ignored with a warning when the trainer computes its loss
+    itself; else refused with a :class:`~hf_gradacc.GradAccConfigError` where it cannot run (the model, the head, the
+    head on several processes). The backend needs no check here: every backend GradAccTrainer resolves (DDP,
+    DeepSpeed, FSDP2) is one the fused head is tested under."""
+    from transformers.utils import logging
 
-    from .heads import unwrap_model
+    from .errors import GradAccConfigError
 
-    if isinstance(model, DistributedDataParallel):
-        return "ddp"
-    if any(cls.__name__ == "DeepSpeedEngine" for cls in type(model).__mro__):
-        return "deepspeed"
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return None
-    if isinstance(model, FSDPModule) or isinstance(unwrap_model(model), FSDPModule):
-        return "fsdp2"
-    return None
+    if trainer._custom_compute_loss:
+        logging.get_logger(__name__).warning(
+            f"`fused_lm_head=True` is ignored: {type(trainer).__name__} computes its loss itself (an overridden "
+            "`compute_loss` or a `compute_loss_func`), so the LM head runs wherever that code runs it. Set "
+            "`fused_lm_head=False`, or leave the loss to hf_gradacc's built-in one."
+        )
+        return
+    problem = fused_support_problem(trainer.model, trainer.head.type, distributed=trainer.backend.dp_world_size > 1)
+    if problem is not None:
+        raise GradAccConfigError(f"`fused_lm_head=True` cannot run here: {problem}. Set `fused_lm_head=False`.")
 
 
 def _rows_of(inputs: dict[str, Any], row: int, batch_size: int) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from .data.loader import (
 from .data.pack_check import check_packing_support
 from .distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .errors import GradAccConfigError, GradAccLossError, GradAccUsageError
+from .fused_head import check_fused_setting
 from .grads import AccumulatedGradHook, GradAccess
 from .heads import Head
 from .loss import LossOutput, LossTerm, parse_loss_output
@@ -115,12 +116,6 @@ class GradAccMixin:
         self._custom_compute_loss = type(self).compute_loss is not GradAccMixin.compute_loss or self._loss_from_func
         self._plain_override = self._custom_compute_loss and not self._loss_from_func
         self._custom_training_step = type(self).training_step is not GradAccMixin.training_step
-        if settings.fused_lm_head and self._custom_compute_loss:
-            logger.warning(
-                f"`fused_lm_head=True` is ignored: {type(self).__name__} computes its loss itself (an overridden "
-                "`compute_loss` or a `compute_loss_func`), so the LM head runs wherever that code runs it. Set "
-                "`fused_lm_head=False`, or leave the loss to hf_gradacc's built-in one."
-            )
         self.head = Head.for_model(
             self.model,
             requested=settings.head_type,
@@ -142,6 +137,8 @@ class GradAccMixin:
             or settings.defer_normalization,
         )
         self.backend.check_model(self.model)
+        if settings.fused_lm_head:
+            check_fused_setting(self)  # ignored (own loss, a warning), runs, or refused: once, not per micro-batch
         if settings.pack_micro_batches:
             check_packing_support(self.model)  # no silent cross-sample attention
         apply_ddp_timeout(self.args)  # gloo groups made with use_cpu=True miss it (transformers 5.23)

@@ -162,19 +162,31 @@ def test_unsupported_setups_are_refused() -> None:
                       fused_lm_head="yes")  # fmt: skip
 
 
-def test_only_the_tested_data_parallel_wrappers_are_accepted_on_several_processes(monkeypatch) -> None:
-    """Several processes: DDP, DeepSpeed and FSDP2 are recognised (tests/distributed/test_fused_head.py runs them);
-    a model under no wrapper, or another one, is refused, naming it."""
+def test_on_several_processes_only_the_causal_lm_head_is_accepted() -> None:
+    """Several processes: every backend GradAccTrainer resolves (DDP, DeepSpeed, FSDP2; others are refused by
+    ``resolve_backend``) runs the fused causal-LM head (tests/distributed/test_fused_head.py); the seq2seq and
+    masked-LM heads are refused there, naming the head."""
     model = build_tiny_model("causal_lm")
     assert fused_head.fused_support_problem(model, "causal_lm") is None  # one process
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
-    problem = fused_head.fused_support_problem(model, "causal_lm")
-    assert problem is not None and "2 processes with a LlamaForCausalLM" in problem
-    engine = type("DeepSpeedEngine", (torch.nn.Module,), {})()  # recognised by its name: deepspeed is optional
-    engine.module = model
-    assert fused_head.distributed_backend(engine) == "deepspeed"
-    assert fused_head.fused_support_problem(engine, "causal_lm") is None
+    assert fused_head.fused_support_problem(model, "causal_lm", distributed=True) is None
+    problem = fused_head.fused_support_problem(build_tiny_model("masked_lm"), "masked_lm", distributed=True)
+    assert problem is not None and "'masked_lm' head is tested on one process only" in problem
+
+
+def test_the_setting_is_checked_once_at_construction(monkeypatch) -> None:
+    """A model the fused head cannot run is refused when the trainer is built, and the step does not check again."""
+    from hf_gradacc.testing.tiny import ListDataset, PaddingCollator
+
+    args = _args(True)
+    with pytest.raises(GradAccConfigError, match=r"fused_lm_head=True.*'sequence_classification'"):
+        GradAccTrainer(model=build_tiny_model("sequence_classification"), args=args,
+                       train_dataset=ListDataset(make_samples("sequence_classification", 4)),
+                       data_collator=PaddingCollator())  # fmt: skip
+    calls = []
+    original = fused_head.fused_support_problem
+    monkeypatch.setattr(fused_head, "fused_support_problem", lambda *a, **k: calls.append(1) or original(*a, **k))
+    one_step_update(GradAccTrainer, build_tiny_model("causal_lm"), make_samples("causal_lm", 8, seed=3), args)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
