@@ -4,10 +4,12 @@
     python benchmarks/fused_head.py                                   # 151,936 vocabulary, the shapes below
     python benchmarks/fused_head.py --shapes 2048x64,512x512 --repeats 3 --json fused_head.json
 
-Per shape ``rows x hidden`` (rows: the positions whose target counts), each method runs in its own process (one
-torch thread): the loss SUM and its gradients with respect to the hidden states and the head's weight, ``repeats``
-times after one warm-up. Peak memory: the rise of the resident-set high-water mark over the resident set once the
-inputs exist (glibc's mmap threshold fixed at 32 KiB). Exactness: the largest relative error of the loss and both
+Per shape ``rows x hidden`` (rows: the positions whose target counts), each method runs in its own process
+(``--threads``: torch threads, default every core, as training runs): the loss SUM and its gradients with respect
+to the hidden states and the head's weight, ``repeats`` times after one warm-up. Peak memory: the rise of the
+resident-set high-water mark over the resident set once the inputs exist (glibc's default allocator, as in training;
+``HF_GRADACC_BENCH_SMALL_MMAP=1`` maps every block over 32 KiB instead, the setting of the 2026-11-24 record, which
+makes each tile's allocations page-fault). Exactness: the largest relative error of the loss and both
 gradients against a float64 computation of the full logits.
 """
 
@@ -35,16 +37,20 @@ def _status(key: str) -> int:
     raise OSError(key)
 
 
-def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed: int) -> dict[str, Any]:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 32 * 1024)
-    libc.mallopt(-1, 128 * 1024)
+def run_one(
+    method: str, rows: int, hidden: int, vocab: int, repeats: int, seed: int, threads: int = 0
+) -> dict[str, Any]:
+    if os.environ.get("HF_GRADACC_BENCH_SMALL_MMAP") == "1":  # the 2026-11-24 setting: every block over 32 KiB mmapped
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 * 1024)
+        libc.mallopt(-1, 128 * 1024)
     import torch
     import torch.nn.functional as F
 
     from hf_gradacc.fused_head import fused_cross_entropy_sum
 
-    torch.set_num_threads(1)
+    if threads:
+        torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(hidden, vocab, bias=False)
     with torch.no_grad():
@@ -59,7 +65,7 @@ def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed:
         if method == "torch_linear_cross_entropy":
             return F.linear_cross_entropy(h, head.weight, targets, reduction="sum", ignore_index=-100,
                                           options=torch.nn.LinearCrossEntropyOptions())  # fmt: skip
-        return fused_cross_entropy_sum(h, head, targets)
+        return fused_cross_entropy_sum(h, head.forward, targets)  # as the trainer calls it
 
     # float64 reference, full logits (before the probe: it is not part of the method's memory)
     w64 = head.weight.detach().double().requires_grad_(True)
@@ -103,21 +109,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default, every core)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.worker:
         method, shape = opts.worker.split(":")
         rows, hidden = (int(x) for x in shape.split("x"))
-        print("RESULT " + json.dumps(run_one(method, rows, hidden, opts.vocab_size, opts.repeats, opts.seed)))
+        result = run_one(method, rows, hidden, opts.vocab_size, opts.repeats, opts.seed, opts.threads)
+        print("RESULT " + json.dumps(result))
         return []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    if opts.threads:
+        env.update(OMP_NUM_THREADS=str(opts.threads), MKL_NUM_THREADS=str(opts.threads))
     results = []
     for shape in opts.shapes.split(","):
         for method in opts.methods.split(","):
             proc = subprocess.run(
                 [sys.executable, os.path.abspath(__file__), "--vocab_size", str(opts.vocab_size), "--repeats",
-                 str(opts.repeats), "--seed", str(opts.seed), "--worker", f"{method}:{shape}"],
+                 str(opts.repeats), "--seed", str(opts.seed), "--threads", str(opts.threads),
+                 "--worker", f"{method}:{shape}"],
                 env=env, capture_output=True, text=True, timeout=3600,
             )  # fmt: skip
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -125,7 +136,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 raise SystemExit(f"{method} {shape} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
             results.append(json.loads(lines[-1][len("RESULT ") :]))
             print(f"{method} {shape}: done", flush=True)
-    print(f"\nvocabulary {opts.vocab_size}, torch thread 1, python {platform.python_version()}")
+    import torch
+
+    threads = opts.threads or torch.get_num_threads()
+    print(f"\nvocabulary {opts.vocab_size}, torch threads {threads}, python {platform.python_version()}")
     print("| rows x hidden | method | forward + backward (median) | vs full logits | peak memory | vs full logits | "
           "loss / grad hidden / grad weight rel. error vs float64 |\n| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:

@@ -3,21 +3,24 @@ materialising [tokens x vocabulary] logits (``GradAccArguments.fused_lm_head``).
 
 The model's backbone runs as usual (through its wrappers, so DDP's sync decisions and hooks are kept), its last
 hidden states are taken at the positions whose target counts (labels other than ``ignore_index`` after the causal
-shift), and those rows go through the model's own output layer ``tile_rows`` at a time. Each tile's loss is a
-checkpoint: its logits are freed at once and recomputed in the backward pass, so the head holds at most one tile of
-logits, forward or backward. The output layer is called as a module, so tied embeddings, a bias and PEFT adapters on
-the head work as in the model's forward. The transforms transformers' causal LMs apply to their logits before the
-loss are applied per tile, in the model's dtype, before the float32 upcast (as the models and ``ForCausalLMLoss``
-do): ``logit_scale`` (Cohere), ``logits_scaling`` (Granite divides by it) and ``final_logit_softcapping`` (Gemma 2
-and 3). The start-up loss check compares the result with the model's own loss on one row, so a transform not listed
-here stops training at the first micro-batch instead of training a different loss.
+shift), and those rows go through the model's own output layer ``tile_rows`` at a time. Each tile's gradients (with
+respect to its hidden rows and the head's parameters) are computed as soon as its logits are, and the logits freed:
+the head holds at most one tile of logits, and nothing is recomputed in the backward pass, which only scales the
+gradients by the loss's incoming gradient (the loss is a SUM, linear in each tile's). For a plain ``nn.Linear`` head
+the weight's gradient is added into one buffer per micro-batch; any other output layer (PEFT adapters on the head)
+is called as a module and differentiated by autograd, tile by tile, so tied embeddings, a bias and adapters work as
+in the model's forward. The transforms transformers' causal LMs apply to their logits before the loss are applied
+per tile, in the model's dtype, before the float32 upcast (as the models and ``ForCausalLMLoss`` do): ``logit_scale``
+(Cohere), ``logits_scaling`` (Granite divides by it) and ``final_logit_softcapping`` (Gemma 2 and 3). The start-up
+loss check compares the result with the model's own loss on one row, so a transform not listed here stops training
+at the first micro-batch instead of training a different loss.
 
 Why not ``torch.nn.functional.linear_cross_entropy`` (torch 2.13, chunked when given ``LinearCrossEntropyOptions``):
 it takes a weight, not a module, so softcapping (a non-linear transform between the matmul and the loss) and PEFT
-adapters on the head cannot go through it; and on a 2-core x86 CPU at a 151,936-token vocabulary
-(``benchmarks/fused_head.py``, docs/benchmarks.md) it was 2.7-9x slower than the full logits (the tiles: 0.7-1.3x)
-with a hidden-state gradient 17x further from float64. Its memory is lower when rows are many and the hidden size
-small. The tiles' cost: each tile's backward makes a temporary ``[vocabulary x hidden]`` weight gradient.
+adapters on the head cannot go through it; and on a 2-core x86 CPU (``benchmarks/fused_head.py``, docs/benchmarks.md)
+it was 2-20x slower than the full logits, where these tiles take 0.6-1.3x, with a hidden-state gradient 17x further
+from float64. Its memory is lower when rows are few compared with the hidden size, where the tiles' weight-gradient
+buffer (``[vocabulary x hidden]``, which the weight's gradient needs anyway) is the larger part.
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from .errors import GradAccLossError
 from .loss import IGNORE_INDEX
 
-# Elements of one tile's logits: 2**24 float32 values are 64 MiB (110 rows at a 151,936-token vocabulary).
-TILE_ELEMENTS = 2**24
+# Elements of one tile's logits: 2**23 float32 values are 32 MiB (55 rows at a 151,936-token vocabulary, 262 at
+# 32,000); of 2**20 to 2**24, the fastest on the 2-core CPU at both vocabularies (docs/benchmarks.md). Far fewer rows
+# per tile make each tile's weight-gradient update (one pass over [vocabulary x hidden]) the cost.
+TILE_ELEMENTS = 2**23
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,7 +101,9 @@ def fused_cross_entropy_sum(
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """SUM over the rows of ``hidden`` (``[rows, hidden]``) of the cross-entropy of ``transform(head(row))`` against
-    ``targets`` (``[rows]``), a tile of rows at a time; the logits of a tile are recomputed in the backward pass.
+    ``targets`` (``[rows]``), a tile of rows at a time. With gradient, each tile's gradients (with respect to its rows
+    of ``hidden`` and to the head's trainable parameters) are computed as soon as its logits are, and the logits freed;
+    the backward pass only scales them by the loss's incoming gradient (the SUM is linear in each tile's loss).
     ``label_smoothing``: as ``torch.nn.functional.cross_entropy``'s (the Trainer's ``label_smoothing_factor``).
 
     Pass only the rows whose target counts: the cost is proportional to the rows given. With no row the result is an
@@ -110,27 +116,134 @@ def fused_cross_entropy_sum(
         ```
     """
     transform = transform or LogitTransform()
-    weight = getattr(getattr(head, "__self__", head), "weight", None)  # a module, or a module's bound forward
+    module = getattr(head, "__self__", head)  # a module, or a module's bound forward
+    weight = getattr(module, "weight", None)
     vocab = int(weight.shape[0]) if torch.is_tensor(weight) and weight.dim() == 2 else 32768
     step = tile_rows or tile_rows_for(vocab)
     targets = targets.to(hidden.device)
     rows = hidden.shape[0]
-    total: torch.Tensor | None = None
-    for start in range(0, max(rows, 1), step):  # at least one (possibly empty) tile: the graph reaches the head
-        part = _checkpointed(
-            hidden[start : start + step], targets[start : start + step], head, transform, ignore_index, label_smoothing
-        )
-        total = part if total is None else total + part
-    assert total is not None
-    return total
+    params = [p for p in module.parameters() if p.requires_grad] if isinstance(module, nn.Module) else []
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or params):
+        with torch.no_grad():
+            parts = [
+                _tile_loss(hidden[i : i + step], targets[i : i + step], head, transform, ignore_index, label_smoothing)
+                for i in range(0, max(rows, 1), step)
+            ]
+        return torch.stack(parts).sum()
+    wants_hidden = hidden.requires_grad
+    grad_hidden = torch.zeros_like(hidden) if wants_hidden else None
+    grad_params: list[torch.Tensor | None] = [None] * len(params)
+    linear = _plain_linear(head, module, hidden, params)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, max(rows, 1), step):  # at least one (possibly empty) tile: every parameter gets a gradient
+        part_hidden, part_targets = hidden[start : start + step].detach(), targets[start : start + step]
+        if linear:  # the weight's gradient added into one buffer, with no temporary [vocabulary x hidden] per tile
+            loss = _linear_tile(part_hidden, part_targets, module, transform, ignore_index, label_smoothing,
+                                grad_hidden[start : start + step] if wants_hidden else None, grad_params)  # fmt: skip
+        else:
+            with torch.enable_grad():
+                part_hidden.requires_grad_(wants_hidden)
+                loss = _tile_loss(part_hidden, part_targets, head, transform, ignore_index, label_smoothing)
+                grads = torch.autograd.grad(loss, ([part_hidden] if wants_hidden else []) + params, allow_unused=True)
+            if wants_hidden:
+                grad_hidden[start : start + step] = grads[0]
+                grads = grads[1:]
+            for i, grad in enumerate(grads):
+                if grad is not None:
+                    grad_params[i] = grad if grad_params[i] is None else grad_params[i].add_(grad)
+            del grads
+        total += loss.detach()
+        del loss
+    return _ScaledGradients.apply(total, (grad_hidden, *grad_params), hidden, *params)
 
 
-def _checkpointed(
-    hidden: torch.Tensor, targets: torch.Tensor, head: Callable, transform: Any, ignore: int, smoothing: float
-) -> Any:
-    if not torch.is_grad_enabled():
-        return _tile_loss(hidden, targets, head, transform, ignore, smoothing)
-    return checkpoint(_tile_loss, hidden, targets, head, transform, ignore, smoothing, use_reentrant=False)
+def _plain_linear(head: Callable, module: Any, hidden: torch.Tensor, params: list[torch.Tensor]) -> bool:
+    """True when ``head`` is ``torch.nn.Linear``'s own forward (also under FSDP2's subclass) and its weight, bias and
+    ``hidden`` share one dtype (no autocast between them): its gradients can then be written by hand."""
+    if getattr(head, "__func__", None) is not nn.Linear.forward or not isinstance(module, nn.Linear):
+        return False
+    if torch.is_autocast_enabled(hidden.device.type):
+        return False
+    tensors = [module.weight] + ([module.bias] if module.bias is not None else [])
+    return all(t.dtype == hidden.dtype for t in tensors) and all(any(p is t for t in tensors) for p in params)
+
+
+def _linear_tile(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    module: nn.Linear,
+    transform: LogitTransform,
+    ignore: int,
+    smoothing: float,
+    grad_hidden: torch.Tensor | None,
+    grad_params: list[torch.Tensor | None],
+) -> torch.Tensor:
+    """One tile through a plain linear head: the loss, the hidden rows' gradient written into ``grad_hidden`` and the
+    weight's (and bias's) added into ``grad_params`` (in ``module.parameters()`` order, trainable ones only)."""
+    weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
+    if transform.softcap is None and smoothing == 0.0:
+        loss, grad_raw = _softmax_tile(F.linear(hidden, weight, bias), targets, ignore, transform.scale)
+    else:
+        with torch.enable_grad():
+            raw = F.linear(hidden, weight, bias).requires_grad_(True)
+            loss = F.cross_entropy(
+                transform(raw).float(), targets, ignore_index=ignore, reduction="sum", label_smoothing=smoothing
+            )
+            (grad_raw,) = torch.autograd.grad(loss, [raw])
+    if grad_hidden is not None:
+        torch.matmul(grad_raw, weight, out=grad_hidden)
+    slots = [p for p in (module.weight, module.bias) if p is not None and p.requires_grad]
+    for i, param in enumerate(slots):
+        if param is module.weight:
+            if grad_params[i] is None:
+                grad_params[i] = grad_raw.t() @ hidden
+            else:
+                grad_params[i].addmm_(grad_raw.t(), hidden)
+        else:
+            summed = grad_raw.sum(dim=0)
+            grad_params[i] = summed if grad_params[i] is None else grad_params[i].add_(summed)
+    return loss
+
+
+def _softmax_tile(
+    raw: torch.Tensor, targets: torch.Tensor, ignore: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cross-entropy SUM of ``raw * scale`` (logits, any float dtype; computed in float32 as the models' loss
+    does) and its gradient with respect to ``raw``, written over one float32 copy of the logits: ``softmax - onehot``
+    (times ``scale``), zero on rows whose target is ``ignore``. Three passes over the tile instead of autograd's
+    separate log-softmax, loss and gradient tensors."""
+    logits = raw.float()  # raw itself in float32: the tile's own logits, overwritten from here on
+    if scale != 1.0:
+        logits.mul_(scale)
+    kept = targets != ignore
+    safe = torch.where(kept, targets, 0)
+    picked = logits.gather(1, safe[:, None])[:, 0]
+    top = logits.amax(dim=1, keepdim=True)
+    probs = logits.sub_(top).exp_()
+    total = probs.sum(dim=1, keepdim=True)
+    rows = (top[:, 0] + total[:, 0].log() - picked).where(kept, 0.0)
+    probs.div_(total)
+    probs[torch.arange(probs.shape[0], device=probs.device), safe] -= 1.0
+    probs.mul_(kept[:, None].to(probs.dtype))
+    if scale != 1.0:
+        probs.mul_(scale)
+    return rows.sum(), probs.to(raw.dtype)
+
+
+class _ScaledGradients(torch.autograd.Function):
+    """The fused loss sum as a function of ``hidden`` and the head's parameters, whose gradients were computed tile by
+    tile in the forward pass: the backward pass hands them on, times the incoming gradient (a scalar)."""
+
+    @staticmethod
+    def forward(ctx: Any, total: torch.Tensor, grads: tuple, *inputs: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
+        ctx.save_for_backward(*grads)  # freed after the backward pass, as any saved tensor (kept with retain_graph)
+        return total.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # noqa: ANN401
+        # scaled in place, so no second [vocabulary x hidden] tensor exists; a second backward pass through the same
+        # graph (retain_graph=True) then fails on the modified saved tensor instead of using scaled gradients
+        return (None, None, *[None if g is None else g.mul_(grad.to(g.dtype)) for g in ctx.saved_tensors])
 
 
 # ---------------------------------------------------------------------------------------------- the causal LM
@@ -232,7 +345,8 @@ class _FromLogits(torch.autograd.Function):
     """Outside the model: the fused loss sum (its value), as a function of the model's returned ``logits`` (the
     placeholder, after the model's own transforms), so that the backward pass enters the model through its output.
     Under FSDP2 the root module's pre-backward hook sits on that output, and under DeepSpeed ZeRO-3 the head module's
-    (it gathers the head's weight again); the tiles' recomputation then finds the weight whole."""
+    (it gathers the head's weight again); the tiles' gradients then reach a whole weight, as a full-logits loss's
+    would, and the wrapper reduces them from there."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, value: torch.Tensor, box: _GradientBox) -> torch.Tensor:  # noqa: ANN401
@@ -308,8 +422,8 @@ def fused_causal_lm_sum(
 
     With gradient the sum is computed from the model's returned ``logits`` (a placeholder): its backward pass goes
     through the model's output and the head's output before the tiles, as a full-logits loss's would, so the hooks
-    of DDP, DeepSpeed ZeRO-3 and FSDP2 on those outputs run first and the head's weight is gathered when the tiles
-    are recomputed."""
+    of DDP, DeepSpeed ZeRO-3 and FSDP2 on those outputs run first and the head's weight is whole again when the
+    tiles' gradients (computed in the forward pass) reach it."""
     from .heads import unwrap_model
 
     base = unwrap_model(model)

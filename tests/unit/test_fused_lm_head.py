@@ -8,6 +8,8 @@ tensor is saved for backward; the head projects exactly the counted targets; eva
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import transformers as tf
@@ -92,25 +94,59 @@ def test_the_transform_is_read_from_the_model() -> None:
     assert LogitTransform.of(_model("llama")) == LogitTransform()
 
 
-def test_tiles_equal_the_full_logits_and_an_empty_tile_reaches_the_head() -> None:
+TRANSFORMS = {  # softcapping or smoothing: autograd on the tile's logits; a scale alone: the softmax written by hand
+    "softcap_smoothing": (LogitTransform(scale=0.7, softcap=2.0), 0.1),
+    "scale": (LogitTransform(scale=0.7), 0.0),
+    "none": (LogitTransform(), 0.0),
+}
+
+
+@pytest.mark.parametrize("transform_name", list(TRANSFORMS))
+@pytest.mark.parametrize("path", ["linear", "generic_module", "frozen_bias"])
+def test_tiles_equal_the_full_logits_and_an_empty_tile_reaches_the_head(path: str, transform_name: str) -> None:
+    # "linear": the head's own bound forward (as the trainer passes it), gradients written by hand; "generic_module":
+    # the module itself, any layer (PEFT adapters on the head go this way), gradients by autograd per tile
+    transform, smoothing = TRANSFORMS[transform_name]
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 50)
+    if path == "frozen_bias":
+        head.bias.requires_grad_(False)
+    call = head if path == "generic_module" else head.forward
     hidden = torch.randn(23, 8, requires_grad=True)
     targets = torch.randint(0, 50, (23,))
-    transform = LogitTransform(scale=0.7, softcap=2.0)
-    tiled = fused_cross_entropy_sum(hidden, head, targets, transform=transform, tile_rows=5)
-    tiled.backward()
-    tiled_grads = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
-    hidden.grad, head.weight.grad, head.bias.grad = None, None, None
-    full = torch.nn.functional.cross_entropy(transform(head(hidden)), targets, reduction="sum")
-    full.backward()
+    targets[::4] = -100
+    tiled = fused_cross_entropy_sum(hidden, call, targets, transform=transform, tile_rows=5, label_smoothing=smoothing)
+    (tiled * 0.37).backward()  # the backward pass scales the gradients computed in the forward pass
+    trained = [head.weight] + ([head.bias] if head.bias.requires_grad else [])
+    tiled_grads = [hidden.grad.clone()] + [p.grad.clone() for p in trained]
+    hidden.grad = None
+    for p in trained:
+        p.grad = None
+    full = torch.nn.functional.cross_entropy(
+        transform(head(hidden)), targets, reduction="sum", label_smoothing=smoothing
+    )
+    (full * 0.37).backward()
     torch.testing.assert_close(tiled, full)
-    for a, b in zip(tiled_grads, [hidden.grad, head.weight.grad, head.bias.grad]):
+    for a, b in zip(tiled_grads, [hidden.grad] + [p.grad for p in trained]):
         torch.testing.assert_close(a, b)
+    assert path != "frozen_bias" or head.bias.grad is None
     head.weight.grad = None
-    empty = fused_cross_entropy_sum(hidden[:0], head, targets[:0])
+    empty = fused_cross_entropy_sum(hidden[:0], call, targets[:0])
     empty.backward()
     assert float(empty.detach()) == 0.0 and head.weight.grad is not None and float(head.weight.grad.abs().sum()) == 0.0
+
+
+def test_the_tiles_gradients_are_freed_after_the_backward_pass() -> None:
+    head = torch.nn.Linear(8, 50)
+    hidden = torch.randn(6, 8, requires_grad=True)
+    total = fused_cross_entropy_sum(hidden, head.forward, torch.randint(0, 50, (6,)), tile_rows=2)
+    total.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        total.backward()
+    kept = fused_cross_entropy_sum(hidden, head.forward, torch.randint(0, 50, (6,)), tile_rows=2)
+    kept.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # never gradients scaled twice
+        kept.backward()
 
 
 def test_no_logit_sized_tensor_is_saved_and_the_head_projects_only_counted_targets() -> None:
@@ -133,9 +169,18 @@ def test_no_logit_sized_tensor_is_saved_and_the_head_projects_only_counted_targe
     probe = LiveLogitSizedSaves(VOCAB_SIZE)
     args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=2, args_class=GradAccConfig,
                          fused_lm_head=True)  # fmt: skip
-    with probe.hooks():
+    live_at_backward: list[int] = []
+    backward = torch.autograd.backward
+
+    def counting_backward(*args, **kwargs):
+        live_at_backward.append(len(set(probe.live.values())))
+        return backward(*args, **kwargs)
+
+    with probe.hooks(), mock.patch.object(torch.autograd, "backward", counting_backward):
         update, _ = one_step_update(Counting, model, samples, args)
-    assert probe.num_saved == 0  # nothing [tokens x vocabulary] is kept for backward
+    # each tile's logits are saved only while its gradients are computed, in the forward pass: none is alive when
+    # the backward pass starts, and at most one tile's (its logits and their softmax) at any time
+    assert live_at_backward == [0, 0] and probe.peak <= 2
     batches = [PaddingCollator()(samples[i : i + 2]) for i in (0, 2)]
     counted = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
     assert sum(rows) == counted and len(rows) == 2
