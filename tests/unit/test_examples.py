@@ -142,3 +142,27 @@ def test_sft_lora_example_step_is_the_float64_full_batch_step(tmp_path: Path, mo
     assert all(float(u.abs().max()) == 0 for n, u in update.items() if "lora_A" in n)
     assert all(float(u.abs().max()) > 0 for n, u in update.items() if "lora_B" in n)
     assert torch.isfinite(torch.tensor(summary["loss"]))
+
+
+def test_fused_lm_head_example_gives_the_full_logits_update_on_counted_rows_only(tmp_path: Path) -> None:
+    import torch
+
+    module = _load_example("fused_lm_head")
+    runs = {}
+    for fused in ("true", "false"):
+        runs[fused] = module.main(
+            ["--output_dir", str(tmp_path / fused), "--fused_lm_head", fused, "--max_steps", "2",
+             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--vocab_size", "4000",
+             "--num_samples", "16", "--optim", "sgd", "--learning_rate", "1.0", "--max_grad_norm", "0",
+             "--report_to", "none", "--use_cpu", "true", "--save_strategy", "no", "--disable_tqdm", "true"]
+        )  # fmt: skip
+    fused, full = runs["true"], runs["false"]
+    assert fused["global_step"] == full["global_step"] == 2
+    # half of each document is prompt, plus the padding: the full logits project more than two rows per target
+    assert full["head_rows_per_target"] > 2.0 and fused["head_rows_per_target"] == pytest.approx(1.0)
+    assert fused["train_loss"] == pytest.approx(full["train_loss"], rel=1e-6)
+    initial = module.build_model(module.ScriptArguments(vocab_size=4000), seed=42)
+    start = torch.cat([p.detach().reshape(-1) for p in initial.parameters()])
+    update_fused, update_full = fused["parameters"] - start, full["parameters"] - start
+    assert float(update_full.norm()) > 0
+    assert float((update_fused - update_full).norm() / update_full.norm()) <= 1e-5
