@@ -4,22 +4,41 @@
     torchrun --nproc_per_node 2 benchmarks/gpu.py         # DDP: also counts gradient reductions per step
     python benchmarks/gpu.py --cpu-fallback               # the same code path on CPU, tiny and quick (tests)
 
-Model: hidden 1024, 8 layers, 16 heads, vocabulary 32000 (about 0.1 B parameters); bs 8 x GA 8; equal lengths
-(100 tokens) and long-tailed ones (log-normal, median 100, max 1024). Peak memory is ``max_memory_allocated``
-within each step. Without a CUDA device (and without ``--cpu-fallback``) it stops with exit code 2.
+Model: hidden 1024, 8 layers, 16 heads, vocabularies 32000 and 151,936 (Qwen's); bs 8 x GA 8; equal lengths (100
+tokens), long-tailed ones (log-normal, median 100, max 1024) and completion-only ones (long-tailed, the first half of
+every sample ignored). Rows: the stock Trainer's (random, group_by_length, batch_rebalance, flattening), the
+GradAccTrainer's (plain, regrouped, token budget, packed), the fused LM head (alone, with the token budget, packed)
+and, where the ``liger-kernel`` package is installed, the stock Trainer with Liger's kernels (its fused linear
+cross-entropy). Peak memory is ``max_memory_allocated`` within each step. Without a CUDA device (and without
+``--cpu-fallback``) it stops with exit code 2. ``--trainers`` / ``--vocab-sizes`` / ``--datasets`` replace the
+defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 import torch
 
 GPU_DEFAULTS = [
     "--device", "cuda", "--bf16", "--hidden-size", "1024", "--num-layers", "8", "--num-heads", "16",
-    "--vocab-size", "32000", "--steps", "10", "--warmup-steps", "2", "--max-tokens", "4096",
-]
+    "--vocab-sizes", "32000,qwen", "--datasets", "equal,long_tailed,completion_only", "--steps", "10",
+    "--warmup-steps", "2", "--max-tokens", "4096",
+]  # fmt: skip
+GPU_TRAINERS = (
+    "stock", "stock_group_by_length", "stock_batch_rebalance", "stock_flatten", "plain", "regroup", "budget", "pack",
+    "fused", "budget_fused", "pack_fused",
+)  # fmt: skip
+
+
+def gpu_trainers() -> tuple[str, ...]:
+    """The rows this script runs: every bench row with the fused LM head's, and Liger's where it is installed."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        print("benchmarks/gpu.py: liger-kernel is not installed; the `stock_liger` row is left out.", file=sys.stderr)
+        return GPU_TRAINERS
+    return (*GPU_TRAINERS, "stock_liger")
 CPU_FALLBACK = [
     "--device", "cpu", "--threads", "1", "--hidden-size", "32", "--num-layers", "1", "--vocab-size", "96",
     "--batch-size", "2", "--grad-accum", "2", "--steps", "1", "--warmup-steps", "1", "--max-length", "64",
@@ -43,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    return bench_main([*GPU_DEFAULTS, *rest])
+    trainers = [] if any(a.startswith("--trainers") for a in rest) else ["--trainers", ",".join(gpu_trainers())]
+    return bench_main([*GPU_DEFAULTS, *trainers, *rest])
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import importlib.util
 import logging
 import math
 import os
@@ -73,10 +74,12 @@ _TRAINER_LABELS = {
     "fused": "GradAccTrainer + fused LM head",
     "budget_fused": "GradAccTrainer + token budget + fused LM head",
     "pack_fused": "GradAccTrainer + packed + fused LM head",
+    "stock_liger": "Trainer, Liger kernels (fused linear cross-entropy)",
 }
 # Every trainer a run can name; the ``fused`` ones (``fused_lm_head=True``: alone, with the token budget, packed) are
-# not in the default set yet.
-ALL_TRAINERS: tuple[str, ...] = (*TRAINERS, "fused", "budget_fused", "pack_fused")
+# not in the default set yet. ``stock_liger``: the stock Trainer with ``use_liger_kernel=True`` (Liger-Kernel's
+# Triton kernels, its fused linear cross-entropy among them: a GPU and the ``liger-kernel`` package).
+ALL_TRAINERS: tuple[str, ...] = (*TRAINERS, "fused", "budget_fused", "pack_fused", "stock_liger")
 # The stock samplers of transformers 5.23 (`train_sampling_strategy`) each stock variant uses.
 _STOCK_SAMPLING = {"stock_group_by_length": "group_by_length", "stock_batch_rebalance": "batch_rebalance"}
 _TURN_TIMEOUT_S = 1800.0  # a step that takes longer than this is a hang, not a measurement
@@ -393,6 +396,8 @@ def _trainer_args(settings: BenchSettings, name: str, output_dir: str, world_siz
     if name.startswith("stock"):
         if name in _STOCK_SAMPLING:
             kwargs["train_sampling_strategy"] = _STOCK_SAMPLING[name]
+        if name == "stock_liger":
+            kwargs["use_liger_kernel"] = True
         return TrainingArguments(**kwargs)
     if name == "regroup":
         kwargs["regroup_micro_batches"] = True
@@ -420,6 +425,14 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
     unknown = sorted(set(settings.trainers) - set(ALL_TRAINERS))
     if unknown or "stock" not in settings.trainers:
         raise GradAccConfigError(f"`trainers` ({settings.trainers}) must include 'stock' and come from {ALL_TRAINERS}")
+    if "stock_liger" in settings.trainers and (
+        importlib.util.find_spec("liger_kernel") is None or settings.device == "cpu"
+    ):
+        raise GradAccConfigError(
+            "The `stock_liger` row needs the `liger-kernel` package and a GPU (Liger's kernels are Triton kernels); "
+            f"installed: {importlib.util.find_spec('liger_kernel') is not None}, device: {settings.device!r}. "
+            "Leave `stock_liger` out of `--trainers`, or `pip install liger-kernel` on a GPU machine."
+        )
     missing = [
         n for n, strategy in _STOCK_SAMPLING.items() if n in settings.trainers and not has_sampling_strategy(strategy)
     ]

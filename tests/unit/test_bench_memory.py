@@ -114,3 +114,23 @@ def test_bench_targets_are_ratios_of_one_run() -> None:
     slow = [*stock, _row("budget", "long_tailed", 32000, 0.22, 140)]  # 0.917x the time: not met
     assert targets.check(slow)[0][1] > 1.0
     assert targets.check(stock[:2] + [_row("budget", "long_tailed", 32000, 0.1, 1)]) == []  # stock rows missing
+
+
+def test_gpu_script_runs_the_fused_rows_and_liger_only_where_it_can() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    from hf_gradacc.errors import GradAccConfigError
+    from hf_gradacc.testing.benchmark import ALL_TRAINERS, bench_dataset
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_rows", script)
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    rows = gpu.gpu_trainers()
+    assert {"fused", "budget_fused", "pack_fused"} <= set(rows) and set(rows) <= set(ALL_TRAINERS)
+    assert ("stock_liger" in rows) == (importlib.util.find_spec("liger_kernel") is not None)
+    assert "qwen" in gpu.GPU_DEFAULTS[gpu.GPU_DEFAULTS.index("--vocab-sizes") + 1]
+    settings = BenchSettings(trainers=("stock", "stock_liger"), device="cpu")
+    with pytest.raises(GradAccConfigError, match=r"stock_liger.*liger-kernel.*device: 'cpu'"):
+        bench_dataset(settings, "equal")
