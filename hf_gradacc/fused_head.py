@@ -150,7 +150,7 @@ def fused_cross_entropy_sum(
                 grads = grads[1:]
             for i, grad in enumerate(grads):
                 if grad is not None:
-                    grad_params[i] = grad if grad_params[i] is None else grad_params[i].add_(grad)
+                    grad_params[i] = _accumulate(grad_params[i], grad)
             del grads
         total += loss.detach()
         del loss
@@ -195,13 +195,13 @@ def _linear_tile(
     slots = [p for p in (module.weight, module.bias) if p is not None and p.requires_grad]
     for i, param in enumerate(slots):
         if param is module.weight:
-            if grad_params[i] is None:
-                grad_params[i] = grad_raw.t() @ hidden
+            if grad_params[i] is not None and grad_params[i].dtype == hidden.dtype:
+                grad_params[i].addmm_(grad_raw.t(), hidden)  # float32: in place, no temporary
             else:
-                grad_params[i].addmm_(grad_raw.t(), hidden)
+                grad_params[i] = _accumulate(grad_params[i], grad_raw.t() @ hidden)
         else:
             summed = grad_raw.sum(dim=0)
-            grad_params[i] = summed if grad_params[i] is None else grad_params[i].add_(summed)
+            grad_params[i] = _accumulate(grad_params[i], summed)
     return loss
 
 
@@ -230,6 +230,14 @@ def _softmax_tile(
     return rows.sum(), probs.to(raw.dtype)
 
 
+def _accumulate(total: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
+    """``total + grad``, in float32 when ``grad`` is a 16-bit float (each tile's gradient rounded once, the sum over
+    tiles not rounded again: as autograd sums micro-batches into a float32 ``.grad``)."""
+    if grad.dtype in (torch.bfloat16, torch.float16):
+        grad = grad.float()
+    return grad if total is None else total.add_(grad)
+
+
 class _ScaledGradients(torch.autograd.Function):
     """The fused loss sum as a function of ``hidden`` and the head's parameters, whose gradients were computed tile by
     tile in the forward pass: the backward pass hands them on, times the incoming gradient (a scalar)."""
@@ -237,13 +245,18 @@ class _ScaledGradients(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, total: torch.Tensor, grads: tuple, *inputs: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
         ctx.save_for_backward(*grads)  # freed after the backward pass, as any saved tensor (kept with retain_graph)
+        ctx.dtypes = [t.dtype for t in inputs]
         return total.detach().clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # noqa: ANN401
         # scaled in place, so no second [vocabulary x hidden] tensor exists; a second backward pass through the same
         # graph (retain_graph=True) then fails on the modified saved tensor instead of using scaled gradients
-        return (None, None, *[None if g is None else g.mul_(grad.to(g.dtype)) for g in ctx.saved_tensors])
+        scaled = [
+            None if g is None else g.mul_(grad.to(g.dtype)).to(dtype)
+            for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)
+        ]
+        return (None, None, *scaled)
 
 
 # ---------------------------------------------------------------------------------------------- the causal LM

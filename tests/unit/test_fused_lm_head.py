@@ -80,6 +80,55 @@ def test_a_one_percent_denominator_error_fails_the_comparison(monkeypatch: pytes
     assert compare_with_reference(update, model, samples, "causal_lm").relative_error > 5e-3
 
 
+def test_many_tiles_per_micro_batch_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of 3 rows (the tiny vocabulary otherwise fits one tile): the weight gradient is summed over many tiles."""
+    monkeypatch.setattr(fused_head, "tile_rows_for", lambda vocab_size, tile_elements=0: 3)
+    model = _model("llama")
+    samples = make_samples("causal_lm", 8, seed=3)
+    update, _ = one_step_update(GradAccTrainer, model, samples, _args(True))
+    assert compare_with_reference(update, model, samples, "causal_lm").relative_error <= TOLERANCE
+
+
+def _update_distance(a: dict, b: dict) -> float:
+    num = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in b)
+    return (num / sum(float(b[k].double().norm() ** 2) for k in b)) ** 0.5
+
+
+@pytest.mark.parametrize("off_by", [1.0, 1.01])
+@pytest.mark.parametrize("mode", ["autocast", "bf16_weights"])
+def test_bf16_fused_head_is_as_close_to_the_float32_run_as_the_full_logits(
+    monkeypatch: pytest.MonkeyPatch, mode: str, off_by: float
+) -> None:
+    """bf16 (``bf16=True``: autocast; or a model cast to bf16) with tiles of 3 rows: the fused update is as far from
+    the same run in float32 as the full-logits update in bf16 is (within 15 %), and a loss 1 % off is not."""
+    samples = make_samples("causal_lm", 16, seed=1, min_length=4, max_length=60)
+
+    def update(fused: bool, bf16: bool):
+        model = _model("llama")
+        if bf16 and mode == "bf16_weights":
+            model = model.to(torch.bfloat16)
+        extra = {"bf16": True} if bf16 and mode == "autocast" else {}
+        args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=8, args_class=GradAccConfig,
+                             fused_lm_head=fused, check_loss_at_start=False, **extra)  # fmt: skip
+        return one_step_update(GradAccTrainer, model, samples, args)[0]
+
+    float32 = update(False, False)
+    head = {"lm_head.weight": float32["lm_head.weight"]}  # summed over the tiles: where the rounding would add up
+    bf16_full = update(False, True)
+    full_logits, full_head = _update_distance(bf16_full, float32), _update_distance(bf16_full, head)
+    monkeypatch.setattr(fused_head, "tile_rows_for", lambda vocab_size, tile_elements=0: 3)
+    original = fused_head.fused_cross_entropy_sum
+    monkeypatch.setattr(fused_head, "fused_cross_entropy_sum", lambda *a, **k: original(*a, **k) / off_by)
+    bf16_fused = update(True, True)
+    fused, fused_head_distance = _update_distance(bf16_fused, float32), _update_distance(bf16_fused, head)
+    assert 0 < full_logits < 3e-2
+    if off_by == 1.0:
+        assert fused <= 1.15 * full_logits, (fused, full_logits)
+        assert fused_head_distance <= 1.1 * full_head, (fused_head_distance, full_head)
+    else:  # the tier catches a denominator 1 % off
+        assert fused > 1.15 * full_logits, (fused, full_logits)
+
+
 def test_the_start_up_check_stops_a_transform_the_fused_head_misses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_head.LogitTransform, "of", classmethod(lambda cls, model: cls()))  # softcap forgotten
     model = _model("gemma2_softcap")
