@@ -32,12 +32,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from .errors import GradAccLossError
 from .loss import IGNORE_INDEX
 
 # Elements of one tile's logits: 2**23 float32 values are 32 MiB (55 rows at a 151,936-token vocabulary, 262 at
-# 32,000); of 2**20 to 2**24, the fastest on the 2-core CPU at both vocabularies (docs/benchmarks.md). Far fewer rows
+# 32,000); of 2**21 to 2**25, the fastest on the 2-core CPU at both vocabularies (docs/benchmarks.md). Far fewer rows
 # per tile make each tile's weight-gradient update (one pass over [vocabulary x hidden]) the cost.
 TILE_ELEMENTS = 2**23
 
@@ -190,31 +191,34 @@ def _linear_tile(
                 transform(raw).float(), targets, ignore_index=ignore, reduction="sum", label_smoothing=smoothing
             )
             (grad_raw,) = torch.autograd.grad(loss, [raw])
-    if grad_hidden is not None:
-        torch.matmul(grad_raw, weight, out=grad_hidden)
+    if grad_hidden is not None:  # in the weight's dtype, as autograd's matmul backward computes it
+        torch.matmul(grad_raw.to(weight.dtype), weight, out=grad_hidden)
+    # the parameters' gradients are summed over the tiles in float32, with tile-sized casts only: no
+    # [vocabulary x hidden] temporary, also for 16-bit weights
+    grad32 = grad_raw.float()
     slots = [p for p in (module.weight, module.bias) if p is not None and p.requires_grad]
     for i, param in enumerate(slots):
         if param is module.weight:
-            if grad_params[i] is not None and grad_params[i].dtype == hidden.dtype:
-                grad_params[i].addmm_(grad_raw.t(), hidden)  # float32: in place, no temporary
+            rows = hidden.float()
+            if grad_params[i] is None:
+                grad_params[i] = grad32.t() @ rows
             else:
-                grad_params[i] = _accumulate(grad_params[i], grad_raw.t() @ hidden)
+                grad_params[i].addmm_(grad32.t(), rows)
         else:
-            summed = grad_raw.sum(dim=0)
-            grad_params[i] = _accumulate(grad_params[i], summed)
+            grad_params[i] = _accumulate(grad_params[i], grad32.sum(dim=0))
     return loss
 
 
 def _softmax_tile(
     raw: torch.Tensor, targets: torch.Tensor, ignore: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cross-entropy SUM of ``raw * scale`` (logits, any float dtype; computed in float32 as the models' loss
-    does) and its gradient with respect to ``raw``, written over one float32 copy of the logits: ``softmax - onehot``
-    (times ``scale``), zero on rows whose target is ``ignore``. Three passes over the tile instead of autograd's
-    separate log-softmax, loss and gradient tensors."""
-    logits = raw.float()  # raw itself in float32: the tile's own logits, overwritten from here on
+    """The cross-entropy SUM of ``raw * scale`` (logits, any float dtype; scaled in that dtype, then computed in
+    float32, as the models and their loss do) and its float32 gradient with respect to ``raw``, written over one
+    float32 copy of the logits: ``softmax - onehot`` (times ``scale``), zero on rows whose target is ``ignore``.
+    Three passes over the tile instead of autograd's separate log-softmax, loss and gradient tensors."""
     if scale != 1.0:
-        logits.mul_(scale)
+        raw = raw.mul_(scale) if raw.dtype == torch.float32 else raw * scale  # the tile's own logits
+    logits = raw.float()  # raw itself in float32: overwritten from here on
     kept = targets != ignore
     safe = torch.where(kept, targets, 0)
     picked = logits.gather(1, safe[:, None])[:, 0]
@@ -227,7 +231,7 @@ def _softmax_tile(
     probs.mul_(kept[:, None].to(probs.dtype))
     if scale != 1.0:
         probs.mul_(scale)
-    return rows.sum(), probs.to(raw.dtype)
+    return rows.sum(), probs
 
 
 def _accumulate(total: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
@@ -249,13 +253,12 @@ class _ScaledGradients(torch.autograd.Function):
         return total.detach().clone()
 
     @staticmethod
+    @once_differentiable  # the gradients were computed without a graph: no second-order gradient
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # noqa: ANN401
         # scaled in place, so no second [vocabulary x hidden] tensor exists; a second backward pass through the same
-        # graph (retain_graph=True) then fails on the modified saved tensor instead of using scaled gradients
-        scaled = [
-            None if g is None else g.mul_(grad.to(g.dtype)).to(dtype)
-            for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)
-        ]
+        # graph (retain_graph=True) then fails on the modified saved tensor instead of using scaled gradients. The
+        # scalar stays float32 (not rounded to a 16-bit gradient's dtype): each element is rounded once.
+        scaled = [None if g is None else g.mul_(grad).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
         return (None, None, *scaled)
 
 
