@@ -44,7 +44,8 @@ class HeadRowCounter:
 
     def _count(self, _module, _args, output) -> None:
         if torch.is_grad_enabled():  # a training forward, not the start-up check's row (no gradient)
-            self.rows += getattr(output, "fused_rows", None) or output.shape[:-1].numel()
+            fused = getattr(output, "fused_rows", None)  # 0 when a micro-batch has no counted target
+            self.rows += output.shape[:-1].numel() if fused is None else fused
 
     def observe(self, batches) -> None:
         self.targets += sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in batches)

@@ -85,9 +85,15 @@ def _tile_loss(
     ignore_index: int,
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
-    logits = transform(head(hidden)).float()
+    return _cross_entropy_sum(head(hidden), targets, transform, ignore_index, label_smoothing)
+
+
+def _cross_entropy_sum(
+    raw: torch.Tensor, targets: torch.Tensor, transform: LogitTransform, ignore_index: int, label_smoothing: float
+) -> torch.Tensor:
+    """The loss of the head's output ``raw``: transformed in the model's dtype, then float32, summed."""
     return F.cross_entropy(
-        logits, targets, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing
+        transform(raw).float(), targets, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing
     )
 
 
@@ -187,9 +193,7 @@ def _linear_tile(
     else:
         with torch.enable_grad():
             raw = F.linear(hidden, weight, bias).requires_grad_(True)
-            loss = F.cross_entropy(
-                transform(raw).float(), targets, ignore_index=ignore, reduction="sum", label_smoothing=smoothing
-            )
+            loss = _cross_entropy_sum(raw, targets, transform, ignore, smoothing)
             (grad_raw,) = torch.autograd.grad(loss, [raw])
     if grad_hidden is not None:  # in the weight's dtype, as autograd's matmul backward computes it
         torch.matmul(grad_raw.to(weight.dtype), weight, out=grad_hidden)
