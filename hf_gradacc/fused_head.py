@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .errors import GradAccLossError
+from .errors import GradAccLossError, GradAccUsageError
 from .loss import IGNORE_INDEX
 
 # Elements of one tile's logits: 2**23 float32 values are 32 MiB (55 rows at a 151,936-token vocabulary, 262 at
@@ -252,18 +252,27 @@ class _ScaledGradients(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, total: torch.Tensor, grads: tuple, *inputs: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
-        ctx.save_for_backward(*grads)  # freed after the backward pass, as any saved tensor (kept with retain_graph)
+        # Kept on ctx, not saved for backward: neither inputs nor outputs, and the backward pass drops them at once
+        # (also under retain_graph), so the gradient it returns is the only reference and autograd can adopt it as
+        # `.grad` without a copy.
+        ctx.grads = list(grads)
         ctx.dtypes = [t.dtype for t in inputs]
         return total.detach().clone()
 
     @staticmethod
     @once_differentiable  # the gradients were computed without a graph: no second-order gradient
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # noqa: ANN401
-        # scaled in place, so no second [vocabulary x hidden] tensor exists; a second backward pass through the same
-        # graph (retain_graph=True) then fails on the modified saved tensor instead of using scaled gradients. The
-        # scalar stays float32 (not rounded to a 16-bit gradient's dtype): each element is rounded once.
-        scaled = [None if g is None else g.mul_(grad).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
-        return (None, None, *scaled)
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise GradAccUsageError(
+                "fused_lm_head=True: a second backward pass through the same fused LM-head loss. The fused head "
+                "computes its gradients once, in the forward pass, and hands them on in ONE backward pass. Put every "
+                "term that contains the LM loss into one backward pass, run the forward pass again for the second "
+                "one, or set `fused_lm_head=False`."
+            )
+        # scaled in place, so no second [vocabulary x hidden] tensor exists; the scalar stays float32 (not rounded
+        # to a 16-bit gradient's dtype): each element is rounded once
+        return (None, None, *[None if g is None else g.mul_(grad).to(dtype) for g, dtype in zip(grads, ctx.dtypes)])
 
 
 # ---------------------------------------------------------------------------------------------- the causal LM

@@ -15,7 +15,7 @@ import torch
 import transformers as tf
 
 import hf_gradacc.fused_head as fused_head
-from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccLossError, GradAccTrainer
+from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccLossError, GradAccTrainer, GradAccUsageError
 from hf_gradacc.fused_head import LogitTransform, fused_cross_entropy_sum
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import VOCAB_SIZE, PaddingCollator, build_tiny_model, build_tiny_moe, make_samples
@@ -205,17 +205,19 @@ def test_bf16_tiles_are_as_close_to_float64_as_the_full_logits() -> None:
         assert float((ours - exact).norm()) <= 1.05 * float((theirs - exact).norm())
 
 
-def test_the_tiles_gradients_are_freed_after_the_backward_pass() -> None:
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_the_tiles_gradients_are_handed_on_once_and_then_dropped(retain_graph: bool) -> None:
+    """The backward pass drops the loss node's reference to the tiles' gradients (so the head's `.grad` can be that
+    buffer, with no copy, also under retain_graph), and a second backward pass through the same fused loss is refused
+    by name instead of handing on gradients scaled twice."""
     head = torch.nn.Linear(8, 50)
     hidden = torch.randn(6, 8, requires_grad=True)
     total = fused_cross_entropy_sum(hidden, head.forward, torch.randint(0, 50, (6,)), tile_rows=2)
-    total.backward()
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+    assert total.grad_fn.grads is not None
+    total.backward(retain_graph=retain_graph)
+    assert total.grad_fn.grads is None
+    with pytest.raises(GradAccUsageError, match="second backward pass through the same fused LM-head loss"):
         total.backward()
-    kept = fused_cross_entropy_sum(hidden, head.forward, torch.randint(0, 50, (6,)), tile_rows=2)
-    kept.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # never gradients scaled twice
-        kept.backward()
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -308,17 +310,21 @@ def test_the_setting_is_checked_once_at_construction(monkeypatch) -> None:
     assert calls == [1]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_the_router_term_of_a_mixture_of_experts_joins_the_fused_loss(family: str) -> None:
+@pytest.mark.parametrize(
+    ("family", "per_term"), [("mixtral", False), ("qwen3_moe", False), ("mixtral", True)]
+)
+def test_the_router_term_of_a_mixture_of_experts_joins_the_fused_loss(family: str, per_term: bool) -> None:
     """The router load-balancing term comes back in the model's outputs and is kept as its own LossTerm (weighted by
-    routed tokens, as without the fused head); the start-up check takes it out of the model's own loss."""
+    routed tokens, as without the fused head); the start-up check takes it out of the model's own loss.
+    ``backward_per_term``: two backward passes through one forward per micro-batch (the fused loss first, with
+    ``retain_graph``), the same update."""
     from hf_gradacc.testing.reference import compare, reference_gradients
 
     model = build_tiny_moe(family)
     samples = make_samples("causal_lm", 7, seed=4)  # a short last micro-batch
     micro_batches: list = []
     args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=4, args_class=GradAccConfig,
-                         fused_lm_head=True)  # fmt: skip
+                         fused_lm_head=True, backward_per_term=per_term)  # fmt: skip
     update, trainer = one_step_update(GradAccTrainer, model, samples, args, micro_batches=micro_batches)
     reference = reference_gradients(model, samples, "causal_lm", PaddingCollator(), micro_batches=micro_batches)
     assert compare(update, reference).relative_error <= TOLERANCE
