@@ -310,9 +310,7 @@ def test_the_setting_is_checked_once_at_construction(monkeypatch) -> None:
     assert calls == [1]
 
 
-@pytest.mark.parametrize(
-    ("family", "per_term"), [("mixtral", False), ("qwen3_moe", False), ("mixtral", True)]
-)
+@pytest.mark.parametrize(("family", "per_term"), [("mixtral", False), ("qwen3_moe", False), ("mixtral", True)])
 def test_the_router_term_of_a_mixture_of_experts_joins_the_fused_loss(family: str, per_term: bool) -> None:
     """The router load-balancing term comes back in the model's outputs and is kept as its own LossTerm (weighted by
     routed tokens, as without the fused head); the start-up check takes it out of the model's own loss.
