@@ -149,6 +149,7 @@ class GradAccMixin:
         self.num_skipped_windows = 0
         self.num_nonfinite_skipped = 0
         self._loss_check_due, self._loss_check = False, None
+        self._fused_head_ran = False  # the built-in loss ran the fused head (a custom training_step may bypass it)
         self._window: Window | None = None
         self._auto_rows: int | None = None  # auto_micro_batch: rows per micro-batch once an OOM was survived
         self._training_started = False
@@ -523,10 +524,11 @@ class GradAccMixin:
         window = self._window
         training = window is not None and window.index is not None
         check = training and self._loss_check_due and self._loss_check is None and window.index == 0
+        fused = bool(training and self.gradacc.fused_lm_head)  # evaluation keeps the logits metrics need
+        self._fused_head_ran |= fused
         terms, outputs = builtin_loss(
-            self.head, model, inputs, denominator=self.primary_denominator, with_model_loss=check,
-            fused_lm_head=training and self.gradacc.fused_lm_head,  # evaluation keeps the logits metrics need
-        )  # fmt: skip
+            self.head, model, inputs, denominator=self.primary_denominator, with_model_loss=check, fused_lm_head=fused
+        )
         result: Any = terms if len(terms) > 1 else terms[MAIN_TERM]  # a LossTerm, as in 0.1, unless router terms
         if not training:  # evaluation / prediction: the batch mean
             result = batch_mean_loss(terms, self.head.count(inputs), self.primary_denominator)

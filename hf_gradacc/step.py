@@ -152,6 +152,16 @@ def run_micro_batches(trainer: GradAccMixin, model: nn.Module, window: Window, e
         )
     return total
 
+def warn_fused_head_bypassed(trainer: GradAccMixin) -> None:
+    """``fused_lm_head=True`` with an overridden ``training_step`` that ran a micro-batch without the built-in loss
+    (it called the model itself): the setting did nothing there, so say it, once."""
+    logger.warning_once(
+        f"`fused_lm_head=True` is ignored: {type(trainer).__name__}.training_step computed a micro-batch's loss "
+        "without `self.compute_loss` (the model ran with its full logits). Call `self.compute_loss(model, inputs)` "
+        "(or `super().training_step`) in the overridden `training_step`, or set `fused_lm_head=False`."
+    )
+
+
 def micro_batch_loop(trainer: GradAccMixin, model: nn.Module, window: Window, epoch_iterator: Iterator, num_batches: int):
     """One pass over the window's micro-batches (prefetched, or pulled from the iterator when streamed)."""
     batches = window.pull(epoch_iterator, num_batches, trainer._count) if window.streamed else window.micro_batches
@@ -166,6 +176,8 @@ def micro_batch_loop(trainer: GradAccMixin, model: nn.Module, window: Window, ep
         try:
             with trainer.backend.sync_context(is_last=is_last), trainer.training_step_context():
                 loss = trainer.training_step(model, inputs, num_items)
+            if trainer.gradacc.fused_lm_head and not (trainer._fused_head_ran or trainer._custom_compute_loss):
+                warn_fused_head_bypassed(trainer)
             window.losses.append(loss.detach())
             total = total + loss.to(total.device)
         finally:

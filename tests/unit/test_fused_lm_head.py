@@ -373,6 +373,36 @@ def test_fused_lm_head_with_an_own_loss_is_warned_as_ignored(caplog: pytest.LogC
     assert "is ignored" not in caplog.text
 
 
+def test_a_training_step_that_bypasses_the_built_in_loss_is_warned(caplog: pytest.LogCaptureFixture) -> None:
+    """An overridden `training_step` that runs the model itself never reaches the fused head: warned as ignored. One
+    that calls `self.compute_loss` gets the fused loss (no warning), and a second backward pass through it is refused
+    by name."""
+    from hf_gradacc.loss import normalize
+
+    class ModelItself(GradAccTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = model(**inputs).loss  # the model's own mean: the full logits
+            self.backward(loss, final=self.is_last_micro_batch)
+            return loss.detach()
+
+    class TwoPassesThroughTheFusedLoss(GradAccTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = normalize(self.compute_loss(model, inputs).total, self.current_window.global_count("tokens"), 1)
+            self.backward(loss / 2, final=False, retain_graph=True)
+            self.backward(loss / 2, final=self.is_last_micro_batch)
+            return loss.detach()
+
+    samples = make_samples("causal_lm", 8, seed=3)
+    tf.utils.logging.enable_propagation()
+    with caplog.at_level("WARNING"):
+        one_step_update(ModelItself, _model("llama"), samples, _args(True, check_loss_at_start=False))
+    assert "`fused_lm_head=True` is ignored: ModelItself.training_step computed a micro-batch's loss" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"), pytest.raises(GradAccUsageError, match="second backward pass through the same"):
+        one_step_update(TwoPassesThroughTheFusedLoss, _model("llama"), samples, _args(True))
+    assert "is ignored" not in caplog.text
+
+
 def test_label_smoothing_goes_through_the_fused_head() -> None:
     """`label_smoothing_factor` is applied per tile, as the full logits' loss applies it: exact against the smoothed
     float64 reference of tests/unit/test_label_smoothing.py."""
