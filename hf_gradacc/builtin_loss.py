@@ -16,7 +16,7 @@ from .checks import LossCheck, agree, check_builtin
 from .errors import GradAccConfigError, GradAccDataError, GradAccLossError
 from .fused_head import fused_causal_lm_sum, fused_row_check
 from .heads import Head, input_token_count, unwrap_model
-from .loss import LossOutput, LossTerm, causal_targets
+from .loss import LossOutput, LossTerm, causal_targets, model_labels
 from .memory import is_out_of_memory
 from .window import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts
 
@@ -79,17 +79,20 @@ def builtin_loss(
     ):
         base = unwrap_model(model)
         if hasattr(base, "prepare_decoder_input_ids_from_labels"):
-            inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
-        else:
-            inputs[LABEL_KEY] = labels  # the model builds its decoder inputs (and a loss that is not used)
+            inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(
+                labels=model_labels(labels, head.ignore_index)
+            )
+        else:  # the model builds its decoder inputs (and a loss that is not used)
+            inputs[LABEL_KEY] = model_labels(labels, head.ignore_index)
     if fused_lm_head:
         return _fused_loss(head, model, inputs, labels, shift_labels, denominator=denominator, check=with_model_loss)
     outputs = None
     if with_model_loss and labels is not None:
         try:  # the model's own loss from the same forward; a model that cannot compute one is simply not checked
-            with_labels = {**inputs, LABEL_KEY: labels.long() if not labels.is_floating_point() else labels}
+            model_given = labels if labels.is_floating_point() else model_labels(labels, head.ignore_index)
+            with_labels = {**inputs, LABEL_KEY: model_given}
             if shift_labels is not None:
-                with_labels[SHIFT_LABELS_KEY] = shift_labels.long()
+                with_labels[SHIFT_LABELS_KEY] = model_labels(shift_labels, head.ignore_index)
             with loss_function_without_graph(model):
                 outputs = model(**with_labels)
             drop_model_loss_graph(outputs)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .errors import GradAccLossError, GradAccUsageError
-from .loss import IGNORE_INDEX
+from .loss import IGNORE_INDEX, model_labels
 
 # Elements of one tile's logits: 2**23 float32 values are 32 MiB (55 rows at a 151,936-token vocabulary, 262 at
 # 32,000); of 2**21 to 2**25, the fastest on the 2-core CPU at both vocabularies (docs/benchmarks.md). Far fewer rows
@@ -507,9 +507,10 @@ def fused_row_check(
     rows = torch.nonzero(counts > 0).flatten()
     row, batch_size = (int(rows[0]) if rows.numel() else 0), int(targets.shape[0])
     one = _rows_of(inputs, row, batch_size)
-    given = {"labels": labels[row : row + 1].long()} if labels is not None else {}
+    # the model's own loss knows only -100 as ignored: another ``ignore_index`` (-1) would be an out-of-range target
+    given = {"labels": model_labels(labels[row : row + 1], ignore_index)} if labels is not None else {}
     if shift_labels is not None:
-        given["shift_labels"] = shift_labels[row : row + 1].long()
+        given["shift_labels"] = model_labels(shift_labels[row : row + 1], ignore_index)
     base = unwrap_model(model)
     with torch.no_grad():
         own = base(**one, **given)

@@ -118,6 +118,13 @@ def causal_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> to
     return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
 
 
+def model_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``labels`` as a transformers model takes them (int64, ignored positions ``-100``): its own loss and the decoder
+    inputs it builds from labels know only ``-100``, so any other ``ignore_index`` (``-1``) would be a target there."""
+    labels = labels.long()
+    return labels if ignore_index == IGNORE_INDEX else labels.masked_fill(labels == ignore_index, IGNORE_INDEX)
+
+
 def token_count(targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Number of targets that are not ``ignore_index`` (an int64 scalar tensor)."""
     return targets.ne(ignore_index).sum()

@@ -443,3 +443,21 @@ def test_a_final_logits_bias_is_refused() -> None:
     assert fused_head.fused_support_problem(model, "seq2seq") is None  # zero: nothing to add
     model.final_logits_bias[0, 3] = 1.0
     assert "final_logits_bias" in fused_head.fused_support_problem(model, "seq2seq")
+
+
+@pytest.mark.parametrize(("task", "fused"), [("causal_lm", True), ("causal_lm", False), ("seq2seq", True), ("seq2seq", False)])
+def test_any_ignore_index_is_exact_and_checked_at_start(task: str, fused: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """`ignore_index=-1` (labels and padding -1, about half the labels ignored): exact against the float64 reference
+    with and without the fused head, and the start-up loss check runs (the model is handed its own -100, not -1,
+    which it would take as a target: an IndexError with the fused head, a skipped check without it)."""
+    samples = make_samples(task, 8, seed=3)
+    for sample in samples:
+        sample["labels"] = [-1 if label == -100 else label for label in sample["labels"]]
+    collate = PaddingCollator(ignore_index=-1)
+    model = build_tiny_model(task) if task != "causal_lm" else _model("llama")
+    tf.utils.logging.enable_propagation()
+    with caplog.at_level("WARNING"):
+        update, _ = one_step_update(GradAccTrainer, model, samples, _args(fused, ignore_index=-1), data_collator=collate)
+    assert "start-up loss check is skipped" not in caplog.text
+    comparison = compare_with_reference(update, model, samples, task, data_collator=collate, ignore_index=-1)
+    assert comparison.relative_error <= TOLERANCE, comparison
