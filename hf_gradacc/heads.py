@@ -16,6 +16,16 @@ import torch
 import torch.nn as nn
 from transformers.utils import logging
 
+from .counting import (  # noqa: F401  (input_token_count / seen_token_count re-exported from their home)
+    LABEL_KEY,
+    PACKED_KEY,
+    SHIFT_LABELS_KEY,
+    MicroBatchCounts,
+    count_micro_batch,
+    input_token_count,
+    position_count,
+    seen_token_count,
+)
 from .errors import GradAccConfigError, GradAccDataError, GradAccLossError
 from .loss import (
     HEAD_TYPES,
@@ -28,7 +38,6 @@ from .loss import (
     sequence_classification_sum,
     token_cross_entropy_sum,
 )
-from .window import LABEL_KEY, PACKED_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, count_micro_batch
 
 logger = logging.get_logger(__name__)
 
@@ -196,7 +205,7 @@ class Head:
         return infer_problem_type(self.num_labels, labels, self.problem_type)
 
     def count(self, batch: Mapping[str, Any]) -> MicroBatchCounts:
-        """The denominator counts of one micro-batch (see :func:`~hf_gradacc.window.count_micro_batch`), after
+        """The denominator counts of one micro-batch (see :func:`~hf_gradacc.counting.count_micro_batch`), after
         :meth:`check_labels`; ``num_input_tokens`` counts the attended input positions."""
         self.check_labels(batch)
         if self.type is None and LABEL_KEY in batch:
@@ -211,10 +220,8 @@ class Head:
             problem_type=self.problem_type_of(batch.get(LABEL_KEY)),
             allow_unlabelled=self.allow_unlabelled,
         )
-        inputs = batch.get("input_ids", batch.get("inputs_embeds"))
-        positions = int(inputs.shape[0] * inputs.shape[1]) if torch.is_tensor(inputs) and inputs.dim() >= 2 else 0
         self._warn_unattended_rows(batch)
-        return replace(counts, num_input_tokens=input_token_count(batch), num_positions=positions)
+        return replace(counts, num_input_tokens=input_token_count(batch), num_positions=position_count(batch))
 
     def count_with_seen_tokens(
         self, batch: Mapping[str, Any], mode: str, main_input_name: str, pad_token_id: int | None
@@ -355,35 +362,3 @@ def _vocab(model: nn.Module) -> int | None:
         if isinstance(size, int) and size > 0:
             return size
     return None
-
-
-def input_token_count(batch: Mapping[str, Any]) -> int:
-    """Input positions the model attends to: ``attention_mask == 1``, or every position of ``input_ids`` /
-    ``inputs_embeds`` without a mask (padding-free batches); 0 when the batch has none of them."""
-    mask = batch.get("attention_mask")
-    if torch.is_tensor(mask) and mask.dim() == 2:
-        return int(mask.sum())
-    inputs = batch.get("input_ids", batch.get("inputs_embeds"))
-    if torch.is_tensor(inputs) and inputs.dim() >= 2:
-        return int(inputs.shape[0] * inputs.shape[1])
-    return 0
-
-
-def seen_token_count(main_input: Any, attention_mask: Any, mode: str, pad_token_id: int | None, *,
-                     padded: bool = True) -> int:  # fmt: skip
-    """Input tokens as `TrainingArguments.include_num_input_tokens_seen` counts them: ``"all"`` every position of the
-    main input, ``"non_padding"`` the attention mask's ones (else the non-pad ids; else every position, with a
-    warning unless the batch is ``padded=False``, packed). 0 without a main input."""
-    if not torch.is_tensor(main_input):
-        return 0
-    if mode == "non_padding":
-        if torch.is_tensor(attention_mask):
-            return int(attention_mask.sum())
-        if pad_token_id is not None:
-            return int((main_input != pad_token_id).sum())
-        if padded and main_input.dim() >= 2 and main_input.shape[0] > 1:
-            logger.warning_once(
-                "`include_num_input_tokens_seen='non_padding'` found no `attention_mask` and no pad id (pass the "
-                "tokenizer as `processing_class`): padding is counted too. Add an attention mask in the collator."
-            )
-    return int(main_input.numel())

@@ -16,48 +16,24 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from .counting import (  # noqa: F401  (re-exported: the counting rule's home is hf_gradacc.counting)
+    LABEL_KEY,
+    PACKED_KEY,
+    SHIFT_LABELS_KEY,
+    MicroBatchCounts,
+    count_micro_batch,
+    rows_of,
+)
 from .errors import GradAccConfigError, GradAccDataError, GradAccError, GradAccLossError
-from .loss import IGNORE_INDEX, SAMPLE_LEVEL_HEADS, HeadType, LossOutput, normalize, token_count
+from .loss import LossOutput, normalize
 
 logger = logging.get_logger(__name__)
-
-LABEL_KEY = "labels"
-SHIFT_LABELS_KEY = "shift_labels"
 
 # Order of the values in the per-rank count vector that is gathered once per window.
 _TOKENS, _SAMPLES, _INPUT_TOKENS, _SEEN_TOKENS, _POSITIONS, _MICRO_BATCHES, _FAILED = range(7)
 _FIRST_TOKENS, _FIRST_SAMPLES, _FIRST_INPUT_TOKENS = range(7, 10)  # micro-batch 0 of the rank (0 without one)
 # Denominator kinds of a streamed window, in the column order of its gathered count vector.
 STREAMED_KINDS: tuple[str, ...] = ("tokens", "samples", "custom")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MicroBatchCounts:
-    """Counted items of one micro-batch on this rank.
-
-    Attributes:
-        num_tokens: target tokens (labels that are not ignored, after the causal shift); samples for sequence heads.
-        num_samples: rows with a label.
-        num_input_tokens: input positions the model attends to (``attention_mask == 1``; every position without a
-            mask): the ``"input_tokens"`` denominator, e.g. the tokens a mixture-of-experts router sees.
-        num_seen_tokens: input tokens as `TrainingArguments.include_num_input_tokens_seen` counts them (0 when off).
-        num_positions: token positions the model computes (``input_ids`` size: padding included).
-        labelled: False when the micro-batch has no labels (only samples can be counted).
-    """
-
-    num_tokens: int
-    num_samples: int
-    num_input_tokens: int = 0
-    num_seen_tokens: int = 0
-    num_positions: int = 0
-    labelled: bool = True
-
-    def get(self, denominator: str) -> int:
-        if denominator == "tokens":
-            return self.num_tokens
-        if denominator == "input_tokens":
-            return self.num_input_tokens
-        return self.num_samples
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,59 +83,6 @@ class WindowCounts:
         """The same window (same samples, same global counts) cut into other micro-batches on this rank; the first
         micro-batch is another one then, so ``global_first`` is dropped."""
         return replace(self, micro_batches=tuple(micro_batches), global_first=None)
-
-
-def count_micro_batch(
-    batch: Mapping[str, Any],
-    head_type: HeadType,
-    *,
-    ignore_index: int = IGNORE_INDEX,
-    problem_type: str | None = None,
-    allow_unlabelled: bool = False,
-) -> MicroBatchCounts:
-    """Count the targets of one micro-batch the way its loss family averages them.
-
-    - tokens: labels that are not ``ignore_index``; for causal LMs after the shift (``labels[..., 1:]``),
-      or ``shift_labels`` as given when the collator provides them.
-    - samples: rows; for single-label sequence and image classification, rows whose label is not ``ignore_index``.
-
-    With ``allow_unlabelled`` (an overridden ``compute_loss``), a batch without labels counts its rows as samples.
-    """
-    labels = batch.get(LABEL_KEY)
-    if labels is None and SHIFT_LABELS_KEY not in batch and allow_unlabelled:
-        # An overridden compute_loss that returns LossTerm(..., "samples") needs no labels: count rows.
-        return MicroBatchCounts(num_tokens=0, num_samples=rows_of(batch), labelled=False)
-    if labels is None and SHIFT_LABELS_KEY not in batch:
-        raise GradAccDataError(
-            f"The micro-batch has no `{LABEL_KEY}` (keys: {sorted(batch)}), so GradAccTrainer cannot count the "
-            "denominator of the step. Have the data collator return `labels`, set `label_names` if your labels "
-            "use another key, or override `compute_loss` and return an `hf_gradacc.LossTerm`."
-        )
-    if SHIFT_LABELS_KEY in batch and head_type == "causal_lm":
-        targets = batch[SHIFT_LABELS_KEY]
-    else:
-        targets = labels
-    if not torch.is_tensor(targets):
-        raise GradAccDataError(f"`{LABEL_KEY}` must be a tensor, got {type(targets).__name__}")
-
-    if head_type in SAMPLE_LEVEL_HEADS:
-        rows = targets.shape[0] if targets.dim() > 0 else 1
-        if problem_type in (None, "single_label_classification") and not targets.is_floating_point():
-            num_samples = int(token_count(targets.reshape(rows, -1)[:, 0], ignore_index))
-        else:
-            num_samples = rows
-        return MicroBatchCounts(num_tokens=num_samples, num_samples=num_samples)
-
-    if targets.is_floating_point() or targets.dtype == torch.bool:
-        raise GradAccDataError(
-            f"`{LABEL_KEY}` of a {head_type} model must hold integer class ids, got dtype {targets.dtype}. "
-            "Cast them to torch.long in the data collator, or set `head_type` if the model is not a "
-            f"{head_type} model."
-        )
-    if head_type == "causal_lm" and SHIFT_LABELS_KEY not in batch:
-        targets = targets[..., 1:]
-    num_samples = rows_of(batch) if PACKED_KEY in batch else targets.shape[0] if targets.dim() > 1 else 1
-    return MicroBatchCounts(num_tokens=int(token_count(targets, ignore_index)), num_samples=num_samples)
 
 
 def gather_window_counts(
@@ -213,20 +136,6 @@ def gather_window_counts(
             num_input_tokens=int(rows[:, _FIRST_INPUT_TOKENS].sum()),
         ),
     )
-
-
-PACKED_KEY = "cu_seq_lens_q"  # a packed row's sequence offsets ([0, n0, n0 + n1, ..., T]): its samples
-
-
-def rows_of(batch: Mapping[str, Any]) -> int:
-    """Number of samples of a collated micro-batch: the first dim of its first tensor, or the sequences of a packed
-    row (``cu_seq_lens_q``)."""
-    if torch.is_tensor(batch.get(PACKED_KEY)):
-        return int(batch[PACKED_KEY].numel()) - 1
-    for value in batch.values():
-        if torch.is_tensor(value) and value.dim() > 0:
-            return int(value.shape[0])
-    raise GradAccDataError(f"Cannot tell the number of rows of a micro-batch with keys {sorted(batch)}: no tensor")
 
 
 def split_micro_batches(micro_batches: Sequence[Mapping[str, Any]], max_rows: int) -> list[dict[str, Any]]:
