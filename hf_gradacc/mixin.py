@@ -591,7 +591,7 @@ class GradAccMixin:
         epochs_trained, steps_trained = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
-        return resumed_start(self, epochs_trained, steps_trained, max_steps, resume_from_checkpoint)
+        return resumed_start(self, epochs_trained, steps_trained, max_steps, num_train_epochs, resume_from_checkpoint)
 
     # ------------------------------------------------------------------ logging, evaluation, the end
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -91,11 +91,28 @@ def resume_values(trainer: Any, args: Any, dataloader: Any, values: tuple) -> tu
 
 
 def resumed_start(
-    trainer: Any, epochs_trained: int, steps_trained: int, max_steps: int, resume_from_checkpoint: Any
+    trainer: Any,
+    epochs_trained: int,
+    steps_trained: int,
+    max_steps: int,
+    num_train_epochs: int,
+    resume_from_checkpoint: Any,
 ) -> tuple[int, int]:
     """The epoch a resumed run starts in and the micro-batches it skips there: from the schedule (windows differ in
     size), or from the checkpoint's recorded position (not `global_step` over THIS run's steps per epoch, which is
-    wrong after a change of layout), with one warning saying what changed and where training continues."""
+    wrong after a change of layout), with one warning saying what changed and where training continues. A checkpoint
+    at or past the run's last step (``max_steps``) takes no step: ``num_train_epochs``, with a warning (the stock
+    Trainer runs one more step when ``max_steps`` was lowered below the checkpoint's step)."""
+    step = trainer.state.global_step
+    if resume_from_checkpoint is not None and step > 0 and step >= max_steps:
+        length = (f"`max_steps` ({trainer.args.max_steps})" if trainer.args.max_steps > 0 else
+                  f"the run's length ({max_steps} steps from `num_train_epochs`={trainer.args.num_train_epochs})")  # fmt: skip
+        logger.warning(
+            f"Resuming {resume_from_checkpoint!r}: {length} is not above the checkpoint's step ({step}), so no "
+            f"optimizer step is taken and the run ends at once, with the checkpoint's weights. Raise `max_steps` above "
+            f"{step} to train on."
+        )
+        return num_train_epochs, 0  # no epoch left to run
     schedule = trainer.gradacc.accumulation_schedule
     if schedule is not None and trainer.state.global_step > 0:
         epochs_trained, done = schedule.locate(trainer.state.global_step, trainer._batches_per_epoch)
@@ -107,12 +124,16 @@ def resumed_start(
         f"training continues from sample {point.num_samples} of epoch {point.epoch}'s order, in this run's "
         "layout, every remaining sample once"
     )  # fmt: skip
+    by_max_steps = (
+        f", as `max_steps` ({trainer.args.max_steps}) sets: the run's length is counted in steps of this run's layout"
+        if trainer.args.max_steps > 0 else ""
+    )  # fmt: skip
     change = (f"with another data layout ({', '.join(point.changed)})" if point.changed else
               "at the position its record gives (an earlier resume changed the layout)")  # fmt: skip
     logger.warning(
         f"Resuming {resume_from_checkpoint!r} {change}: the checkpoint (step "
         f"{point.global_step}) had trained the first {point.num_samples} samples of epoch {point.epoch}; "
-        f"{skipped}; {max_steps} optimizer steps in all ({max_steps - point.global_step} more)."
+        f"{skipped}; {max_steps} optimizer steps in all ({max_steps - point.global_step} more){by_max_steps}."
     )
     return point.epoch, 0
 

@@ -173,6 +173,7 @@ def test_max_steps_set_by_the_user_runs_on_into_the_next_epoch(tmp_path) -> None
     _assert_once_each(_ids(a["steps"], end=2) + _ids(b["steps"], end=4))
     _assert_once_each(_ids(b["steps"], first=4))
     assert b["global_step"] == 7
+    assert "7 optimizer steps in all (5 more), as `max_steps` (7) sets" in _one_layout_warning(b)
 
 
 def test_ignore_data_skip_starts_the_recorded_epoch_from_its_first_sample(tmp_path) -> None:
@@ -210,3 +211,22 @@ def test_the_first_resumed_step_takes_the_new_schedules_learning_rate(tmp_path) 
                   resume=str(tmp_path / "a" / "checkpoint-2"))  # fmt: skip
     assert b["global_step"] == 4
     assert b["learning_rates"][-2:] == pytest.approx([0.1 * 2 / 4, 0.1 * 1 / 4])  # the history holds A's first 2
+
+
+@pytest.mark.parametrize("max_steps, ga", [(2, 2), (4, 2), (2, 4)], ids=["below", "equal", "below_ga_changed"])
+def test_max_steps_at_or_below_the_checkpoint_takes_no_step(run_a, tmp_path, max_steps, ga) -> None:
+    """A checkpoint at step 4 resumed with ``max_steps`` 2 or 4 (GA kept or changed): no optimizer step (the stock
+    Trainer runs one, global step 5), the checkpoint's weights, one warning naming both numbers."""
+    from safetensors.torch import load_file
+
+    out, _ = run_a
+    folder = os.path.join(out, "checkpoint-4")
+    b = train_run(str(tmp_path), batch=2, ga=ga, max_steps=max_steps, resume=folder)
+    assert b["steps"] == [] and b["global_step"] == 4, b["steps"]
+    saved = load_file(os.path.join(folder, "model.safetensors"))
+    assert saved and set(saved) <= set(b["params"])
+    for name, value in saved.items():
+        assert value.tolist() == b["params"][name], f"{name} moved"
+    found = [m for m in b["warnings"] if "no optimizer step is taken" in m]
+    assert len(found) == 1 and f"`max_steps` ({max_steps})" in found[0] and "checkpoint's step (4)" in found[0], found
+    assert not [m for m in b["warnings"] if LAYOUT_WARNING in m], b["warnings"]
