@@ -29,6 +29,7 @@ from typing import Any
 
 from transformers.utils import logging
 
+from .distributed import is_collective_failure, save_failure
 from .errors import GradAccConfigError
 
 logger = logging.get_logger(__name__)
@@ -477,6 +478,16 @@ def stock_position(
 
 
 # ---------------------------------------------------------------------------------------------- saving
+def _newest_complete(run_dir: str, *, below: int) -> str | None:
+    """The newest checkpoint of ``run_dir`` older than step ``below`` with a completion marker on this rank's disk,
+    and readable (no collective: called once the process group is broken)."""
+    for step, name in reversed(_checkpoints(run_dir)):
+        path = os.path.join(run_dir, name)
+        if step < below and os.path.isfile(os.path.join(path, COMPLETE_NAME)) and not checkpoint_problems(path):
+            return path
+    return None
+
+
 def _write_marker(folder: str) -> None:
     """``hf_gradacc_complete.json``, atomically (a temporary file renamed), listing every file and its size."""
     files = _listing(folder)
@@ -494,7 +505,9 @@ def _write_marker(folder: str) -> None:
 def checkpoint_save(trainer: Any, trial: Any) -> Iterator[None]:
     """Around `Trainer._save_checkpoint`: ``hf_gradacc_saving`` first; after every rank saved (a barrier) the
     marker ``hf_gradacc_complete.json`` LAST; only then older checkpoints rotated away (``save_total_limit``), so a
-    kill at any point leaves the old checkpoint or a complete new one."""
+    kill at any point leaves the old checkpoint or a complete new one. A peer that dies or fails while saving (its
+    save's collectives, or the barrier) is a :class:`~hf_gradacc.GradAccDistributedError` on every surviving rank,
+    naming the step, the folder left incomplete and the checkpoint the next resume takes."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
     args = trainer.args
@@ -509,10 +522,16 @@ def checkpoint_save(trainer: Any, trial: Any) -> Iterator[None]:
     limit = args.save_total_limit
     args.save_total_limit = None  # rotate only once the new checkpoint is complete
     try:
-        yield
-    finally:
-        args.save_total_limit = limit
-    trainer.accelerator.wait_for_everyone()  # every rank's files (RNG state, shards) are written
+        try:
+            yield
+        finally:
+            args.save_total_limit = limit
+        trainer.accelerator.wait_for_everyone()  # every rank's files (RNG state, shards) are written
+    except RuntimeError as error:  # a peer died or failed while saving: the save's collectives or this barrier
+        if not is_collective_failure(error):
+            raise
+        step = trainer.state.global_step
+        raise save_failure(step, folder, _newest_complete(run_dir, below=step), args) from error
     if args.should_save:
         record = data_layout(trainer)
         position = getattr(trainer, "data_position", None)

@@ -1,5 +1,5 @@
 """Process-group utilities that are not a backend: the timeout that ends a run whose peer froze, recognising a
-failed collective, and ending a distributed run safely."""
+failed collective (inside a step, or while a checkpoint is saved), and ending a distributed run safely."""
 
 from __future__ import annotations
 
@@ -64,6 +64,21 @@ def collective_failure(step: int, micro_batch: int | None, args: Any) -> GradAcc
     return GradAccDistributedError(
         f"Optimizer step {step}{where} on rank {args.process_index}: a collective got no answer within `ddp_timeout` "
         f"({args.ddp_timeout} s) or lost its peer; another rank froze, died or failed (see its log)."
+    )
+
+
+def save_failure(step: int, folder: str, previous: str | None, args: Any) -> GradAccDistributedError:
+    """The error that replaces a collective failed while checkpoint ``folder`` was saved at optimizer ``step``: which
+    rank, that the folder is left incomplete, and which checkpoint the next resume takes (``previous``, or None)."""
+    then = (
+        f"the previous complete one, {previous}" if previous is not None
+        else "none: this rank's disk holds no complete older checkpoint, so start without `resume_from_checkpoint`"
+    )  # fmt: skip
+    return GradAccDistributedError(
+        f"Saving the checkpoint of optimizer step {step} on rank {args.process_index}: a collective got no answer "
+        f"within `ddp_timeout` ({args.ddp_timeout} s) or lost its peer; another rank froze, died or failed while saving "
+        f"(see its log: a full disk, a kill). {folder} is left incomplete (no hf_gradacc_complete.json); the next "
+        f"`resume_from_checkpoint=True` passes it over and takes {then}."
     )
 
 

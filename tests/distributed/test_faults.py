@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from hf_gradacc.checkpoints import latest_complete_checkpoint
+
 from .launcher import run_accelerate, run_workers
 
 pytestmark = pytest.mark.distributed
@@ -25,6 +27,11 @@ TOLERANCE = 1e-5
 
 
 def _launch(case: str, backend: str = "ddp", *, expect_failure: bool = False) -> list[dict[str, Any] | None]:
+    return _launch_in(case, backend, expect_failure=expect_failure)[1]
+
+
+def _launch_in(case: str, backend: str = "ddp", *, expect_failure: bool = False) -> tuple[Path, list[dict[str, Any] | None]]:
+    """The launch's output folder (the workers' ``out_dir()``) and each rank's result."""
     out = Path(tempfile.mkdtemp(prefix=f"hf_gradacc_fault_{case}_"))
     args = ["--case", case, "--backend", backend]
     if backend == "deepspeed":
@@ -37,7 +44,7 @@ def _launch(case: str, backend: str = "ddp", *, expect_failure: bool = False) ->
     for rank in range(2):
         path = out / f"{case}.rank{rank}.json"
         results.append(json.loads(path.read_text()) if path.exists() else None)
-    return results
+    return out, results
 
 
 @pytest.mark.parametrize("kind", ["frozen", "killed", "erroring"])
@@ -79,6 +86,23 @@ def test_a_checkpoint_missing_one_ranks_file_is_passed_over_on_both_ranks(backen
         assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= set(result["listed"]), result
         assert result["global_step"] == 2, result
         assert result["warnings"] and "rng_state_1.pth" in result["warnings"][0], result
+
+
+@pytest.mark.parametrize(
+    "backend, kind",
+    [("ddp", "save_killed"), ("ddp", "save_disk_full"), ("fsdp2", "save_killed"), ("fsdp2", "save_disk_full")],
+)
+def test_a_peer_lost_while_saving_is_the_librarys_error_naming_the_checkpoint(backend: str, kind: str) -> None:
+    out, (rank0, rank1) = _launch_in(kind, backend, expect_failure=True)
+    assert rank0 is not None and "crash" not in rank0, rank0
+    assert rank0["error_type"] == "GradAccDistributedError", rank0  # not gloo's "Connection reset by peer"
+    folder = str(out / "save_fault" / "checkpoint-2")
+    message = rank0["error"]
+    assert "optimizer step 2 on rank 0" in message and f"{folder} is left incomplete" in message, message
+    assert f"takes the previous complete one, {out / 'save_fault' / 'checkpoint-1'}" in message, message
+    if kind == "save_disk_full":
+        assert rank1 is not None and rank1["error_type"] == "OSError", rank1  # the failing rank keeps its own error
+    assert latest_complete_checkpoint(str(out / "save_fault"), world_size=2) == str(out / "save_fault" / "checkpoint-1")
 
 
 def test_uneven_data_prefetched_is_the_same_clear_error_on_every_rank() -> None:

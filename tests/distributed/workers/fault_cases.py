@@ -13,6 +13,9 @@ Cases:
   drop step 1 together (one verdict from values agreed across ranks), step 2 is exact.
 * ``save_resume``: 2 ranks save into one folder (the marker lists both RNG states); with rank 1's RNG state of the
   newest checkpoint gone, ``resume_from_checkpoint=True`` takes the older one on both ranks.
+* ``save_killed`` / ``save_disk_full``: rank 1 SIGKILLs itself, or gets a disk-full OSError, while it saves its RNG
+  state into step 2's checkpoint: rank 0 must end with a GradAccDistributedError naming the step, the folder left
+  incomplete and the previous complete checkpoint (not gloo's "Connection reset by peer"); rank 1 keeps its OSError.
 * ``uneven_prefetched`` / ``uneven_streamed``: the ranks' data run out at different steps (``even_batches=False``):
   the default path stops every rank with the same clear error; ``defer_normalization`` trains every step exactly.
 * ``tokens_seen_uneven``: ``include_num_input_tokens_seen='all'`` with a [2, 1] window: no per-micro-batch
@@ -22,6 +25,7 @@ Cases:
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -249,6 +253,35 @@ def case_save_resume(backend: str) -> dict[str, Any]:
     }
 
 
+class FailingSave(Sequential):
+    """Rank 1 SIGKILLs itself (``save_killed``) or finds its disk full (``save_disk_full``) while it writes its RNG
+    state into the checkpoint of optimizer step 2, after the model and optimizer were saved."""
+
+    fault: str | None = None
+
+    def _save_rng_state(self, output_dir):
+        if rank() == 1 and self.state.global_step == 2:
+            if self.fault == "save_killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", os.path.join(output_dir, "rng_state_1.pth"))
+        super()._save_rng_state(output_dir)
+
+
+def case_save_fault(kind: str, backend: str) -> dict[str, Any]:
+    """Saving every step into ``<out>/save_fault``; rank 1 dies or fails while saving step 2's checkpoint: rank 0
+    must get the library's error naming the step, the incomplete folder and the checkpoint the next resume takes."""
+    samples = _samples(GA * world_size() * 3, seed=7)
+    save = dict(output_dir=str(out_dir() / "save_fault"), save_strategy="steps", save_steps=1, optim="adamw_torch")
+    try:
+        trainer = FailingSave(model=_model(), args=_args(backend, **save), train_dataset=ListDataset(samples),
+                              data_collator=PaddingCollator())  # fmt: skip
+        trainer.fault = kind
+        trainer.train()
+    except Exception as error:  # noqa: BLE001 - the outcome is the result
+        return {"error_type": type(error).__name__, "error": str(error), "cause": repr(error.__cause__)}
+    return {"error_type": None}
+
+
 def case_uneven(streamed: bool, backend: str) -> dict[str, Any]:
     samples = _samples(5, seed=3)  # 5 micro-batches: rank 0 gets 3, rank 1 gets 2 (even_batches=False)
     overrides = dict(defer_normalization=streamed, accelerator_config={"even_batches": False})
@@ -296,6 +329,8 @@ def main() -> None:
         "nan_one_rank": lambda: case_nan_one_rank(opts.backend),
         "hook_nan_one_rank": lambda: case_hook_nan_one_rank(opts.backend),
         "save_resume": lambda: case_save_resume(opts.backend),
+        "save_killed": lambda: case_save_fault("save_killed", opts.backend),
+        "save_disk_full": lambda: case_save_fault("save_disk_full", opts.backend),
         "uneven_prefetched": lambda: case_uneven(False, opts.backend),
         "uneven_streamed": lambda: case_uneven(True, opts.backend),
         "tokens_seen_uneven": lambda: case_tokens_seen(opts.backend),
@@ -306,7 +341,7 @@ def main() -> None:
         write_result(opts.case, {"crash": traceback.format_exc()})
         raise
     write_result(opts.case, payload)
-    if opts.case in ("frozen", "killed", "erroring"):
+    if opts.case in ("frozen", "killed", "erroring", "save_killed", "save_disk_full"):
         os._exit(0)  # the process group is broken: no barrier to wait in
     finish_worker()
 
