@@ -217,3 +217,23 @@ def test_resuming_an_unrecorded_position_with_another_data_layout_is_a_clear_err
     assert named in str(info.value) and "samples would be lost" in str(info.value), str(info.value)
     with pytest.raises(GradAccConfigError):  # `True` picks that folder and refuses it alike
         _trainer(str(tmp_path), **overrides).train(resume_from_checkpoint=True)
+
+
+def test_an_interrupted_save_is_passed_over_by_its_saving_marker_and_reported(saved, tmp_path, caplog) -> None:
+    """checkpoint-2 with every file the resume reads there and readable, ``hf_gradacc_saving`` and no completion
+    marker (killed after the Trainer's last file, before the marker; or another rank's file not listed by the stock
+    checks): only the saving marker tells that the save never finished. It is passed over, and the warning says so."""
+    out, _ = saved
+    for name in ("checkpoint-1", "checkpoint-2"):
+        shutil.copytree(os.path.join(out, name), tmp_path / name)
+    new = tmp_path / "checkpoint-2"
+    os.remove(new / COMPLETE_NAME)
+    open(new / SAVING_NAME, "w").close()
+    problems = checkpoint_problems(str(new))
+    assert len(problems) == 1 and SAVING_NAME in problems[0] and "never finished" in problems[0], problems
+    with caplog.at_level(logging.WARNING):
+        assert latest_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert "checkpoint-2" in message and SAVING_NAME in message, message
+    with pytest.raises(GradAccConfigError, match=SAVING_NAME):
+        _trainer(str(tmp_path)).train(resume_from_checkpoint=str(new))

@@ -230,3 +230,25 @@ def test_max_steps_at_or_below_the_checkpoint_takes_no_step(run_a, tmp_path, max
     found = [m for m in b["warnings"] if "no optimizer step is taken" in m]
     assert len(found) == 1 and f"`max_steps` ({max_steps})" in found[0] and "checkpoint's step (4)" in found[0], found
     assert not [m for m in b["warnings"] if LAYOUT_WARNING in m], b["warnings"]
+
+
+def test_an_ignore_data_skip_resume_records_only_the_samples_it_trained(run_a, tmp_path) -> None:
+    """B (GA 4, ``ignore_data_skip=True``) retrains epoch 0 from its first sample; its checkpoint-3 (one step, 8
+    samples) must record 8 samples trained, not the 8 it did not skip plus 8: C, resumed from it, trains the other
+    16 (a record of 16 would lose 8 of the 24)."""
+    out, _ = run_a
+    b = train_run(str(tmp_path / "b"), batch=2, ga=4, ignore_data_skip=True, resume=os.path.join(out, "checkpoint-2"))
+    assert [(step, len(ids)) for step, ids in b["steps"]] == [(2, 8), (3, 8), (4, 8)]
+    c = train_run(str(tmp_path / "c"), batch=2, ga=4, resume=str(tmp_path / "b" / "checkpoint-3"))
+    _assert_once_each(_ids(b["steps"], end=3) + _ids(c["steps"]))
+    assert "first 8 samples of epoch 0" in _one_layout_warning(c)
+
+
+def test_a_fractional_last_epoch_after_a_layout_change_takes_its_share_rounded_up(run_a, tmp_path) -> None:
+    """``num_train_epochs=1.5`` resumed at step 2 of GA 2 with GA 4: 2 steps finish epoch 0, and half of epoch 1's 3
+    steps is 1.5, rounded up as the stock Trainer rounds a run's length: 2 steps (not 1)."""
+    out, _ = run_a
+    b = train_run(str(tmp_path), batch=2, ga=4, epochs=1.5, resume=os.path.join(out, "checkpoint-2"))
+    assert [(step, len(ids)) for step, ids in b["steps"]] == [(2, 8), (3, 8), (4, 8), (5, 8)]
+    assert b["global_step"] == 6
+    assert "6 optimizer steps in all (4 more)" in _one_layout_warning(b)
