@@ -26,6 +26,11 @@ timeout (and on any error).
 :func:`run_accelerate` launches the way users do, ``accelerate launch --config_file <yaml> script`` (or ``-m
 module``), on a free ``--main_process_port``, with the same environment (:func:`launch_env`), the same hard
 timeout and the same cleanup (:func:`kill_tree`).
+
+A launch that uses DeepSpeed (an accelerate config with ``DEEPSPEED``; worker arguments that name ``zero`` or
+``deepspeed``; or ``deepspeed=True``) first has DeepSpeed's CPU op built once per test process, under its own time
+limit and before the launch's clock starts, and is refused at once, naming the file, when a stale torch build lock
+would make every rank wait (:mod:`tests.distributed.deepspeed_op`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from tests.distributed.deepspeed_op import check_build_lock, ensure_deepspeed_op, stale_lock, stale_lock_message
 
 OUT_DIR_ENV = "HF_GRADACC_TEST_OUT"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -152,6 +159,28 @@ class AccelerateResult:
             f"launch: returncode={self.returncode}, timed_out={self.timed_out}, wall={self.wall_s:.1f}s, "
             f"out_dir={self.out_dir}\n[stdout]\n{self.stdout[-tail:]}\n[stderr]\n{self.stderr[-tail:]}"
         )
+
+
+def _uses_deepspeed(args: Sequence[str], config: Path | None = None) -> bool:
+    """Whether a launch will start DeepSpeed: its accelerate config says DEEPSPEED, or a worker argument names
+    ``zero`` (``--backend zero2``) or ``deepspeed`` (``--deepspeed-config``)."""
+    if config is not None and config.is_file() and "DEEPSPEED" in config.read_text().upper():
+        return True
+    return any("zero" in a.lower() or "deepspeed" in a.lower() for a in map(str, args))
+
+
+def prepare_deepspeed(env: Mapping[str, str]) -> None:
+    """Before a DeepSpeed launch: the op built once (its own time limit, not the launch's), no stale build lock."""
+    ensure_deepspeed_op(env)
+    check_build_lock(env)
+
+
+def _lock_note(env: Mapping[str, str], uses_deepspeed: bool) -> str:
+    """After a failed DeepSpeed launch: the stale build lock it may have left (a rank killed while holding it)."""
+    if not uses_deepspeed:
+        return ""
+    path = stale_lock(env)
+    return "" if path is None else "\n" + stale_lock_message(path)
 
 
 def _load_results(out_dir: Path, nproc: int, name: str, describe: Callable[[], str]) -> list[dict]:
@@ -398,6 +427,7 @@ def run_workers(
     out_dir: str | os.PathLike | None = None,
     check: bool = True,
     failure_grace: float = _FAILURE_GRACE_S,
+    deepspeed: bool | None = None,
 ) -> LaunchResult:
     """Run ``script_path`` on ``nproc`` CPU ranks and wait at most ``timeout`` seconds for all of them.
 
@@ -412,6 +442,8 @@ def run_workers(
         check: raise :class:`WorkerError` with every rank's output when a rank fails or the timeout is hit.
         failure_grace: seconds the other ranks may run on once one rank failed, before they are stopped (fault
             tests give the surviving ranks the time to hit their own collective timeout).
+        deepspeed: whether the ranks start DeepSpeed (its CPU op is then built before ``timeout`` starts); None:
+            guessed from ``args`` (``zero``, ``deepspeed``).
 
     Returns:
         A :class:`LaunchResult` with each rank's output; ``load(name)`` reads the ranks' JSON results.
@@ -432,6 +464,9 @@ def run_workers(
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="hf_gradacc_dist_"))
     out.mkdir(parents=True, exist_ok=True)
     launch = _launch_subprocesses if method == "subprocess" else _launch_torchrun
+    uses_deepspeed = _uses_deepspeed(args) if deepspeed is None else deepspeed
+    if uses_deepspeed:
+        prepare_deepspeed(launch_env(out, env))
     start = time.monotonic()
     deadline = start + timeout
     result: LaunchResult | None = None
@@ -451,7 +486,8 @@ def run_workers(
     assert result is not None
     if check and not result.ok:
         reason = f"timed out after {timeout:.0f}s" if result.timed_out else "a rank failed"
-        raise WorkerError(f"{script.name} on {nproc} ranks: {reason}\n{result.describe()}")
+        note = _lock_note(launch_env(out, env), uses_deepspeed)
+        raise WorkerError(f"{script.name} on {nproc} ranks: {reason}{note}\n{result.describe()}")
     return result
 
 
@@ -487,7 +523,7 @@ def run_accelerate(
         env: extra environment variables (they win over the defaults).
         cpu_distributed: set ``HF_GRADACC_CPU_DISTRIBUTED=1`` (DeepSpeed / FSDP2 configs on CPU ranks).
         timeout: hard wall-clock limit in seconds over all attempts; a launch past it always raises
-            :class:`WorkerError`.
+            :class:`WorkerError`. A DeepSpeed config's one-off op build happens before it starts.
         out_dir: where the ranks write their JSON results (``HF_GRADACC_TEST_OUT``) and where the launcher's
             output is logged; a new temp dir if None.
         cwd: the launch's working directory; the repository root if None.
@@ -508,6 +544,9 @@ def run_accelerate(
     out.mkdir(parents=True, exist_ok=True)
     launch_target = ["-m", str(target)] if module else [str(target)]
     launcher_env = launch_env(out, env, hide_gpus=True, cpu_distributed=cpu_distributed)
+    uses_deepspeed = _uses_deepspeed(args, config)
+    if uses_deepspeed:
+        prepare_deepspeed(launcher_env)
     start = time.monotonic()
     for attempt in range(3):  # a free port can be taken between find_free_port() and the bind: retry then
         cmd = [
@@ -551,5 +590,6 @@ def run_accelerate(
             break
     if result.timed_out or (check and not result.ok):
         reason = f"timed out after {timeout:.0f}s" if result.timed_out else f"exit code {result.returncode}"
-        raise WorkerError(f"accelerate launch {config.name}: {reason}\n{result.describe()}")
+        note = _lock_note(launcher_env, uses_deepspeed)
+        raise WorkerError(f"accelerate launch {config.name}: {reason}{note}\n{result.describe()}")
     return result
