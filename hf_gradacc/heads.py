@@ -33,6 +33,7 @@ from .loss import (
     SAMPLE_LEVEL_HEADS,
     HeadType,
     ProblemType,
+    bool_labels_problem,
     causal_targets,
     infer_problem_type,
     sequence_classification_sum,
@@ -262,6 +263,9 @@ class Head:
         if self.type is None or not torch.is_tensor(labels):
             return
         fix = f"Fix the data collator, or set `head_type` if the model's head is not a {self.type} head."
+        why = labels.dtype == torch.bool and bool_labels_problem(key, self.type, self.problem_type_of(labels), labels.shape)
+        if why:  # stock raises torch's dtype error for these; regression trains on 0.0 / 1.0 as stock does
+            raise GradAccDataError(why)
         if self.is_sequence_level:
             if not labels.is_floating_point() and labels.dim() == 2 and labels.shape[1] > 1:
                 raise GradAccDataError(
@@ -280,8 +284,8 @@ class Head:
                     f"`{key}` has shape {tuple(labels.shape)} but the inputs have shape {tuple(inputs.shape[:2])}: a "
                     f"{self.type} head needs one label per input token. {fix}"
                 )
-        if labels.is_floating_point() or labels.dtype == torch.bool:
-            return
+        if labels.is_floating_point() or labels.dtype == torch.bool or self.problem_type_of(labels) == "regression":
+            return  # regression: any number is a target (integer ratings too), as in the stock Trainer's MSELoss
         self._check_label_dtype(key, labels)
         if self.num_classes is None:
             return

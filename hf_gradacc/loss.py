@@ -189,6 +189,24 @@ def sequence_classification_sum(
     )
 
 
+def bool_labels_problem(key: str, head_type: str, problem_type: str | None, shape: tuple[int, ...]) -> str | None:
+    """Why boolean ``labels`` cannot train this head, or None (regression: 0.0 / 1.0 targets, as the stock Trainer's
+    ``MSELoss`` takes them). The stock losses refuse them everywhere else with a raw torch error (cross-entropy:
+    "expected target dtype to be Long or Byte"; binary cross-entropy: "Subtraction ... with two bool tensors"; an
+    inferred problem type: multi-label, a shape error for one label per row): a ``GradAccDataError`` says what to do."""
+    if problem_type == "regression":
+        return None
+    kind = f"a {head_type} head" + (f" ({problem_type})" if problem_type else "")
+    if problem_type == "multi_label_classification" and len(shape) == 2:
+        fix = f"Build them as float (`{key}.float()`: one 0/1 target per label) in the data collator / dataset."
+    else:
+        fix = (
+            f"Build them as torch.int64 class ids (`{key}.long()`: False is class 0, True class 1) in the data "
+            "collator / dataset."
+        )
+    return f"`{key}` are torch.bool (shape {tuple(shape)}); {kind} cannot train on boolean labels. {fix}"
+
+
 def infer_problem_type(num_labels: int, labels: torch.Tensor, problem_type: str | None) -> ProblemType:
     """The problem type the Hugging Face sequence-classification heads would pick for these labels."""
     if problem_type is not None:

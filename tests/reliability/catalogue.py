@@ -31,6 +31,8 @@ from hf_gradacc.callbacks import GradNormCallback
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import ListDataset, ListIterableDataset, PaddingCollator, build_tiny_model, make_samples
 
+from . import label_cases
+
 BS, GA = 2, 4
 TOLERANCE = 1e-5
 
@@ -628,6 +630,15 @@ CASES: list[Case] = [
     Case("check_trainer_moe", "`hf-gradacc check --trainer sft --model <a mixture-of-experts checkpoint>`", "check",
          _check_trainer_moe, result="exact, exit 0: the float64 reference holds the router term (“router term on "
          "(coefficient 0.5)”), as a real SFT run logs `loss/aux`"),
+    # ---- label values (label_cases.py)
+    Case("bool_class_labels", "torch.bool `labels` on a single-label sequence classifier", "error",
+         label_cases.bool_class_labels, "GradAccDataError", ("torch.bool", "`labels.long()`"),
+         result="before any step (the stock Trainer's loss raises torch's “expected target dtype to be Long”; a "
+         "multi-label head is told `labels.float()`; a regression head trains on 0.0 / 1.0, as stock)"),
+    Case("int_regression_targets", "integer `labels` (ratings 0-5) on a regression head (`num_labels=1`)", "exact",
+         label_cases.integer_regression_targets, result="trained as numbers, as the stock Trainer's MSELoss does"),
+    Case("fused_ignore_minus_one", "`ignore_index=-1` with `fused_lm_head=True`", "exact",
+         label_cases.fused_head_ignore_minus_one, result="the start-up check hands the model -100 where -1 is"),
 ]
 
 

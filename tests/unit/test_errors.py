@@ -206,3 +206,66 @@ def test_a_downgraded_fsdp_launch_says_what_to_change(monkeypatch, patched: bool
     assert ("--use_cpu true" in message) and (("is set, so the CPU patch is on" in message) == patched)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
     check_requested_backend("DistributedType.MULTI_CPU")  # nothing asked: nothing raised
+
+
+# ---------------------------------------------------------------- boolean and integer labels on sequence heads
+
+
+class _TypedLabels:
+    """Pads the inputs and builds ``labels`` of one dtype (bool, int64, float32) from the samples' values."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, rows):
+        batch = PaddingCollator()([{"input_ids": r["input_ids"], "labels": 0} for r in rows])
+        batch["labels"] = torch.tensor([r["labels"] for r in rows], dtype=self.dtype)
+        return batch
+
+
+def _sequence_model(num_labels: int, problem_type: str | None):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.BertConfig(vocab_size=VOCAB_SIZE, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                           num_labels=num_labels, problem_type=problem_type, pad_token_id=0)  # fmt: skip
+    return tf.BertForSequenceClassification(config)
+
+
+def _valued_samples(values):
+    samples = make_samples("sequence_classification", len(values), seed=11)
+    return [{**sample, "labels": value} for sample, value in zip(samples, values)]
+
+
+@pytest.mark.parametrize(
+    ("num_labels", "problem_type", "per_row", "fix"),
+    [
+        (2, None, 1, r"`labels.long\(\)`: False is class 0"),  # stock: a shape error (inferred multi-label)
+        (2, "single_label_classification", 1, r"`labels.long\(\)`"),  # stock: "expected ... Long or Byte, got Bool"
+        (3, "multi_label_classification", 3, r"`labels.float\(\)`: one 0/1 target per label"),  # stock: bool subtraction
+        (3, None, 3, r"`labels.float\(\)`"),
+    ],
+)
+def test_boolean_class_labels_are_a_data_error(num_labels, problem_type, per_row, fix) -> None:
+    """Boolean labels on a single- or multi-label head: the stock Trainer's loss raises a raw torch error for each
+    (measured: /tmp/r25/boolmeasure.py in the issue note); ours names the dtype and the conversion, before any step."""
+    values = [[bool((i + j) % 2) for j in range(per_row)] if per_row > 1 else bool(i % 2) for i in range(8)]
+    args = one_step_args(per_device_train_batch_size=BATCH_SIZE, gradient_accumulation_steps=GA)
+    with pytest.raises(GradAccDataError, match=r"`labels` are torch.bool .*" + fix):
+        one_step_update(GradAccTrainer, _sequence_model(num_labels, problem_type), _valued_samples(values), args,
+                        data_collator=_TypedLabels(torch.bool))  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "values"), [(torch.bool, [i % 3 == 0 for i in range(8)]), (torch.long, [3, 0, 4, 1, 5, 2, 3, 1])])
+def test_boolean_and_integer_regression_targets_train_as_numbers(dtype: torch.dtype, values: list) -> None:
+    """A regression head (num_labels=1) takes bool and integer labels as 0.0 / 1.0 and as numbers, as the stock
+    Trainer's MSELoss does: exact against the float64 reference of the same values as float (integer ratings were
+    refused as class ids outside [0, 1))."""
+    model = _sequence_model(1, None)
+    samples = _valued_samples(values)
+    args = one_step_args(per_device_train_batch_size=BATCH_SIZE, gradient_accumulation_steps=GA)
+    update, _ = one_step_update(GradAccTrainer, model, samples, args, data_collator=_TypedLabels(dtype))
+    reference = compare_with_reference(update, model, [{**s, "labels": float(s["labels"])} for s in samples],
+                                       "regression", data_collator=_TypedLabels(torch.float32))  # fmt: skip
+    assert reference.relative_error <= 1e-5, reference
