@@ -249,7 +249,7 @@ def _valued_samples(values):
 )
 def test_boolean_class_labels_are_a_data_error(num_labels, problem_type, per_row, fix) -> None:
     """Boolean labels on a single- or multi-label head: the stock Trainer's loss raises a raw torch error for each
-    (measured: /tmp/r25/boolmeasure.py in the issue note); ours names the dtype and the conversion, before any step."""
+    (measured with transformers 5.24: the comments above); ours names the dtype and the conversion, before any step."""
     values = [[bool((i + j) % 2) for j in range(per_row)] if per_row > 1 else bool(i % 2) for i in range(8)]
     args = one_step_args(per_device_train_batch_size=BATCH_SIZE, gradient_accumulation_steps=GA)
     with pytest.raises(GradAccDataError, match=r"`labels` are torch.bool .*" + fix):
