@@ -50,6 +50,12 @@ def _model(name: str) -> torch.nn.Module:
         return peft.get_peft_model(build_tiny_model("causal_lm"), config)
     if name == "cohere_scale":
         return tf.CohereForCausalLM(_small(tf.CohereConfig, logit_scale=0.25, tie_word_embeddings=True))
+    if name == "granite_scaling":  # Granite DIVIDES its logits by logits_scaling (Cohere multiplies by logit_scale)
+        model = tf.GraniteForCausalLM(_small(tf.GraniteConfig, logits_scaling=4.0, embedding_multiplier=2.0,
+                                             residual_multiplier=0.5, attention_multiplier=0.25))  # fmt: skip
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(20.0)  # logits well above 1: a scale x16 off is far from exact
+        return model
     raise ValueError(name)
 
 
@@ -58,11 +64,15 @@ def _args(fused, **extra):
                          fused_lm_head=fused, **extra)  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "llama_lora_on_head", "gemma2_softcap", "cohere_scale"])
-def test_fused_head_is_exact(name: str) -> None:
+@pytest.mark.parametrize(
+    "name", ["llama", "llama_tied", "llama_lora_on_head", "gemma2_softcap", "cohere_scale", "granite_scaling"]
+)
+@pytest.mark.parametrize("check", [True, False])
+def test_fused_head_is_exact(name: str, check: bool) -> None:
+    """Exact with the start-up check on and off (off, only the comparison with float64 can see a wrong transform)."""
     model = _model(name)
     samples = make_samples("causal_lm", 8, seed=3)
-    update, _ = one_step_update(GradAccTrainer, model, samples, _args(True))
+    update, _ = one_step_update(GradAccTrainer, model, samples, _args(True, check_loss_at_start=check))
     comparison = compare_with_reference(update, model, samples, "causal_lm")
     assert comparison.relative_error <= TOLERANCE, comparison
     changed = [n for n, u in update.items() if float(u.abs().max()) > 0]
@@ -140,6 +150,7 @@ def test_the_start_up_check_stops_a_transform_the_fused_head_misses(monkeypatch:
 def test_the_transform_is_read_from_the_model() -> None:
     assert LogitTransform.of(_model("gemma2_softcap")) == LogitTransform(scale=1.0, softcap=2.0)
     assert LogitTransform.of(_model("cohere_scale")) == LogitTransform(scale=0.25, softcap=None)
+    assert LogitTransform.of(_model("granite_scaling")) == LogitTransform(scale=0.25, softcap=None)
     assert LogitTransform.of(_model("llama")) == LogitTransform()
 
 
