@@ -110,9 +110,11 @@ def _listing(path: str) -> dict[str, int]:
     return files
 
 
-def _resume_needs(path: str, files: dict[str, int], world_size: int) -> list[str]:
+def _resume_needs(path: str, files: dict[str, int], world_size: int, rank: int | None = None) -> list[str]:
     """What the resume reads and is not in ``files``: the trainer state, the model weights, the optimizer state (the
-    stock resume silently starts with fresh moments without it) and the scheduler, one RNG state per rank."""
+    stock resume silently starts with fresh moments without it) and the scheduler, one RNG state per rank that saved
+    one: every rank's (``rank`` None: a folder every rank wrote into) or rank ``rank``'s own (it reads only its own;
+    on node-local disks each node's folder holds only the RNG states of its own ranks)."""
     missing = []
     if TRAINER_STATE_NAME not in files:
         missing.append(f"{TRAINER_STATE_NAME} is missing")
@@ -127,8 +129,20 @@ def _resume_needs(path: str, files: dict[str, int], world_size: int) -> list[str
             missing.append(f"{_SCHEDULER} is missing (the stock resume then loads neither the optimizer nor the scheduler)")
     rng = [n for n in files if re.fullmatch(r"rng_state(_\d+)?\.pth", n)]
     if world_size > 1 and any(n != "rng_state.pth" for n in rng):
-        missing += [f"rng_state_{r}.pth is missing" for r in range(world_size) if f"rng_state_{r}.pth" not in files]
+        saved = min(world_size, _saved_world_size(path) or world_size)  # a rank the save did not have reads none
+        ranks = range(saved) if rank is None else [rank] if rank < saved else []
+        missing += [f"rng_state_{r}.pth is missing" for r in ranks if f"rng_state_{r}.pth" not in files]
     return missing
+
+
+def _saved_world_size(path: str) -> int | None:
+    """The world size the checkpoint's data record names, or None."""
+    try:
+        with open(os.path.join(path, DATA_NAME)) as f:
+            value = json.load(f).get("world_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _missing(rel: str) -> str:
@@ -147,13 +161,15 @@ def _deepspeed_dir(path: str) -> str | None:
     return tag or None
 
 
-def checkpoint_problems(path: str, *, world_size: int = 1) -> list[str]:
+def checkpoint_problems(path: str, *, world_size: int = 1, rank: int | None = None) -> list[str]:
     """Why the checkpoint folder ``path`` cannot be resumed (each problem names its file), or ``[]`` when every file
     the resume reads is there and readable.
 
     A folder saved by hf_gradacc is checked against its ``hf_gradacc_complete.json`` (every file it lists there, with
     its size); one whose save started and never finished (``hf_gradacc_saving`` without the marker) is incomplete.
-    A folder saved by the stock Trainer is checked against what the resume reads, with ``world_size`` ranks.
+    A folder saved by the stock Trainer is checked against what the resume reads, with ``world_size`` ranks. With
+    ``rank``, only that rank's own RNG state is required (what it reads; on node-local disks a node's folder holds
+    its own ranks' RNG states only), else every rank's.
 
     Example:
         ```python
@@ -169,14 +185,17 @@ def checkpoint_problems(path: str, *, world_size: int = 1) -> list[str]:
                 files = dict(json.load(f)["files"])
         except (OSError, ValueError, KeyError, TypeError) as error:
             return [f"{COMPLETE_NAME} is unreadable ({type(error).__name__}: {error})"]
-        problems = _resume_needs(path, files, world_size=1)  # the marker lists every rank's files
+        # The marker lists the files of every rank that shares this disk. With `rank`, this rank's own RNG state must
+        # be on the disk, listed or not (a folder copied from rank 0's disk to this node's lists rank 0's files).
+        own = {} if rank is None else {n: s for n, s in _listing(path).items() if n == f"rng_state_{rank}.pth"}
+        problems = _resume_needs(path, {**files, **own}, world_size=world_size if rank is not None else 1, rank=rank)
     else:
         problems = []
         if os.path.isfile(os.path.join(path, SAVING_NAME)):
             problems.append(f"the save never finished ({SAVING_NAME} without {COMPLETE_NAME}: the run was likely "
                             "killed while saving)")  # fmt: skip
         files = _listing(path)
-        problems += _resume_needs(path, files, world_size)
+        problems += _resume_needs(path, files, world_size, rank)
     for rel, size in files.items():
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
@@ -195,38 +214,70 @@ def _checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted((int(m.group(1)), name) for m, name in found if os.path.isdir(os.path.join(output_dir, name)))
 
 
-def _agreed(problems: dict[str, list[str]]) -> dict[str, list[str]]:
-    """Every rank's problems with each folder, merged (a file missing on one rank's disk is missing): the ranks agree
-    on the checkpoint to resume from."""
+def _gathered(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (``[value]`` on one process): one collective."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return problems
+        return [value]
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, problems)
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+# What a rank's folder lacks when the rank does not share rank 0's disk (files the Trainer writes on rank 0 only).
+_RANK_ZERO_FILES = (f"{TRAINER_STATE_NAME} is missing", "the model weights are missing")
+_NODE_LOCAL = (
+    "this rank's disk lacks files rank 0's holds, so the ranks do not share `output_dir`'s disk: the Trainer writes "
+    "the model weights on global rank 0 only (transformers' `save_pretrained`, also with `save_on_each_node=True`), "
+    "and without `save_on_each_node` the trainer state and optimizer too; copy rank 0's checkpoint folders into "
+    "every node's `output_dir` before resuming (each node keeping its own rng_state_<rank>.pth), or save to a shared "
+    "file system"
+)
+
+
+def _rank_zero_only(problems: list[str]) -> bool:
+    return any(p.startswith(_RANK_ZERO_FILES) for p in problems)
+
+
+def _agreed(problems: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Every rank's problems with each folder, merged, so that every rank takes the same checkpoint: a file missing
+    on one rank's disk is missing, and a folder that is not on one rank's disk at all (node-local disks) cannot be
+    resumed. A rank whose folder lacks what rank 0's holds (the weights, the trainer state) does not share rank 0's
+    disk: the problems say what to do (:data:`_NODE_LOCAL`)."""
+    gathered = _gathered(problems)
+    if len(gathered) == 1:
+        return problems
     merged: dict[str, list[str]] = {}
-    for rank, seen in enumerate(gathered):
-        for name, found in seen.items():
-            merged.setdefault(name, [])
-            merged[name] += [p if rank == 0 else f"{p} (rank {rank})" for p in found if p not in merged[name]]
+    for name in sorted({name for seen in gathered for name in seen}):
+        merged[name] = []
+        for rank, seen in enumerate(gathered):
+            found = seen.get(name, ["the folder is missing"])
+            if rank > 0 and _rank_zero_only(found) and not _rank_zero_only(gathered[0].get(name, found)):
+                found = [*found, _NODE_LOCAL]
+            for p in found:
+                p = p if rank == 0 else f"{p} (rank {rank})"
+                if p not in merged[name]:
+                    merged[name].append(p)
     return merged
 
 
-def latest_complete_checkpoint(output_dir: str, *, world_size: int = 1) -> str:
+def latest_complete_checkpoint(output_dir: str, *, world_size: int = 1, rank: int | None = None) -> str:
     """The ``checkpoint-N`` folder of ``output_dir`` with the highest N that can be resumed (no
-    :func:`checkpoint_problems` on any rank); newer ones are passed over with a warning naming the missing or broken
-    file. Raises :class:`~hf_gradacc.GradAccConfigError` when there is none.
+    :func:`checkpoint_problems` on any rank, ``rank`` being this process's; every rank of a distributed run takes the
+    same N, also when the ranks' ``output_dir`` are different disks); newer ones are passed over with a warning
+    naming the missing or broken file and the rank. Raises :class:`~hf_gradacc.GradAccConfigError` when there is
+    none.
 
     Example:
         ```python
         trainer.train(resume_from_checkpoint=latest_complete_checkpoint(args.output_dir))
         ```
     """
-    steps = _checkpoints(output_dir)
-    problems = _agreed({name: checkpoint_problems(os.path.join(output_dir, name), world_size=world_size)
-                        for _, name in steps})  # fmt: skip
+    problems = _agreed({name: checkpoint_problems(os.path.join(output_dir, name), world_size=world_size, rank=rank)
+                        for _, name in _checkpoints(output_dir)})  # fmt: skip
     skipped = []
-    for _, name in reversed(steps):
+    for name in sorted(problems, key=lambda n: int(_CHECKPOINT.match(n).group(1)), reverse=True):
         if not problems[name]:
             path = os.path.join(output_dir, name)
             if skipped:
@@ -250,12 +301,12 @@ def resolve_resume(trainer: Any, value: str | bool | None) -> tuple[str | bool |
     complete checkpoint; a folder is checked and refused with :class:`~hf_gradacc.GradAccConfigError` naming the
     missing or broken file when it cannot be resumed, or naming the setting when it was saved with a data layout
     that cannot be carried over (:func:`check_data_layout`); anything else passes through."""
-    world_size = trainer.args.world_size
+    world_size, rank = trainer.args.world_size, trainer.args.process_index
     if value is True:
-        path = latest_complete_checkpoint(trainer.args.output_dir, world_size=world_size)
+        path = latest_complete_checkpoint(trainer.args.output_dir, world_size=world_size, rank=rank)
     elif isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
-        problems = _agreed({path: checkpoint_problems(path, world_size=world_size)})[path]
+        problems = _agreed({path: checkpoint_problems(path, world_size=world_size, rank=rank)})[path]
         if problems:
             raise GradAccConfigError(
                 f"`resume_from_checkpoint` ({path!r}) cannot be resumed: {'; '.join(problems)}. Resume from an older "
@@ -369,14 +420,32 @@ def _read_record(path: str) -> tuple[dict[str, Any], int] | None:
     return (saved, step) if isinstance(saved, dict) else None
 
 
-def _from_rank_zero(value: Any) -> Any:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _rank_zero_record(path: str) -> tuple[dict[str, Any], int] | None:
+    """Rank 0's data record and step (:func:`_read_record`), on every rank: one decision everywhere, also when the
+    ranks read different disks (node-local). Another rank whose folder holds another step is a
+    :class:`~hf_gradacc.GradAccConfigError` (the Trainer would load a different state on each rank); another record
+    at the same step, a warning naming what differs."""
+    records = _gathered(_read_record(path))
+    chosen = records[0]
+    for rank, other in enumerate(records[1:], start=1):
+        if other == chosen:
+            continue
+        steps = [None if r is None else r[1] for r in (chosen, other)]
+        if None not in steps and steps[0] != steps[1]:
+            raise GradAccConfigError(
+                f"`resume_from_checkpoint` ({path!r}): rank 0's folder holds step {steps[0]} and rank {rank}'s step "
+                f"{steps[1]} (their {TRAINER_STATE_NAME}); the ranks do not read the same checkpoint (node-local "
+                "disks holding different runs' folders). Give every rank the same checkpoint, or resume from a folder "
+                "every rank holds."
+            )
+        mine, theirs = ({} if r is None else r[0] for r in (chosen, other))
+        differs = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
+        logger.warning(
+            f"Resuming {path!r}: rank {rank}'s {DATA_NAME} differs from rank 0's in {differs} (rank 0: "
+            f"{[mine.get(k) for k in differs]}; rank {rank}: {[theirs.get(k) for k in differs]}); every rank resumes "
+            "at rank 0's record."
+        )
+    return chosen
 
 
 def _saved_position(saved: dict[str, Any]) -> DataPosition | None:
@@ -407,7 +476,7 @@ def check_data_layout(
             print(f"resuming epoch {point.epoch} after its first {point.num_samples} samples")
         ```
     """
-    record = _from_rank_zero(_read_record(path))  # every rank judges rank 0's record: one decision on every rank
+    record = _rank_zero_record(path)  # every rank judges rank 0's record: one decision on every rank
     if record is None:
         return None
     saved, step = record

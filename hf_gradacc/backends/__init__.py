@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import UnsupportedBackendError
 from .base import Backend
 from .ddp import DDPBackend
+from .mesh import Mesh, check_launched_world, mesh_from_accelerator
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -15,7 +16,10 @@ if TYPE_CHECKING:
 
     from ..config import GradAccSettings
 
-__all__ = ["Backend", "DDPBackend", "resolve_backend", "SUPPORTED_BACKENDS"]
+__all__ = [
+    "Backend", "DDPBackend", "Mesh", "SUPPORTED_BACKENDS", "check_launched_world", "mesh_from_accelerator",
+    "resolve_backend",
+]
 
 SUPPORTED_BACKENDS = (
     "single process (NO)",
@@ -56,6 +60,15 @@ def check_requested_backend(dist_type: Any) -> None:
             )
 
 
+def _check_joined_world() -> None:
+    """Every rank, at trainer construction: the world it joined is the one its launch asked for (see
+    `check_launched_world`; no collective)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # one process without a process group: nothing to compare
+        check_launched_world(dist.get_world_size())
+
+
 def resolve_backend(
     accelerator: Accelerator,
     args: TrainingArguments,
@@ -82,6 +95,7 @@ def resolve_backend(
                                                   "MULTI_MUSA") if hasattr(DistributedType, n)),
     }
     check_requested_backend(dist_type)
+    _check_joined_world()
     if dist_type in ddp_types:
         return DDPBackend(accelerator, args, settings, multi_backward=multi_backward)
     if dist_type == DistributedType.DEEPSPEED:
@@ -95,8 +109,9 @@ def resolve_backend(
                 f"FSDP version {version} is not supported: set `fsdp_version: 2` in the accelerate config "
                 "(or `fsdp_config={'version': 2}` in TrainingArguments)."
             )
-        from .fsdp2 import FSDP2Backend
+        from .fsdp2 import FSDP2Backend, check_fsdp2_sharding_strategy
 
+        check_fsdp2_sharding_strategy(accelerator.state.fsdp_plugin, getattr(accelerator, "parallelism_config", None))
         return FSDP2Backend(accelerator, args, settings, multi_backward=multi_backward)
     raise UnsupportedBackendError(
         f"GradAccTrainer cannot make accumulation exact under distributed type {dist_type!s}. "

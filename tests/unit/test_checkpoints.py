@@ -237,3 +237,23 @@ def test_an_interrupted_save_is_passed_over_by_its_saving_marker_and_reported(sa
     assert "checkpoint-2" in message and SAVING_NAME in message, message
     with pytest.raises(GradAccConfigError, match=SAVING_NAME):
         _trainer(str(tmp_path)).train(resume_from_checkpoint=str(new))
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["hf_gradacc_save", "stock_save"])
+def test_on_a_node_local_disk_a_rank_needs_only_its_own_rng_state(saved, tmp_path, marked) -> None:
+    """A folder on node 1's own disk holds rank 1's RNG state only (every rank writes its own, on its own disk): rank
+    1 can resume it (it reads only its own); rank 0, or a check of every rank's files, names rank 0's as missing."""
+    out, _ = saved
+    folder = tmp_path / "checkpoint-2"
+    shutil.copytree(os.path.join(out, "checkpoint-2"), folder)
+    os.replace(folder / "rng_state.pth", folder / "rng_state_1.pth")
+    record = json.load(open(folder / ckpt.DATA_NAME))
+    json.dump({**record, "world_size": 2}, open(folder / ckpt.DATA_NAME, "w"))
+    if marked:
+        ckpt._write_marker(str(folder))
+    else:
+        os.remove(folder / COMPLETE_NAME)
+    assert checkpoint_problems(str(folder), world_size=2, rank=1) == []
+    assert "rng_state_0.pth is missing" in checkpoint_problems(str(folder), world_size=2, rank=0)
+    if not marked:  # the marker lists every rank's files of a shared disk; the stock check asks for every rank's
+        assert checkpoint_problems(str(folder), world_size=2) == ["rng_state_0.pth is missing"]
