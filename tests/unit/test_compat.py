@@ -207,14 +207,79 @@ def test_trl_below_the_supported_range_is_refused_with_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "hf_gradacc.trl", raising=False)
 
 
-def test_end_works_without_an_upstream_end(monkeypatch, helpers):
-    """transformers 5.6 / 5.16 have no `Trainer.end`: GradAccTrainer.end must not raise there."""
-    if hasattr(Trainer, "end"):
+@pytest.mark.parametrize("upstream_end", [False, True])
+def test_end_works_without_an_upstream_end(monkeypatch, helpers, upstream_end: bool):
+    """transformers 5.6 / 5.16 have no `Trainer.end`: GradAccTrainer.end must not raise there (it raised
+    AttributeError, 'super' object has no attribute 'end'); where upstream has one, it runs once, after the process
+    group is finished."""
+    import hf_gradacc.mixin as mixin
+
+    calls: list[str] = []
+    monkeypatch.setattr(mixin, "finish_distributed", lambda: calls.append("finish_distributed"))
+    if upstream_end:
+        monkeypatch.setattr(Trainer, "end", lambda self: calls.append("Trainer.end"), raising=False)
+    elif hasattr(Trainer, "end"):
         monkeypatch.delattr(Trainer, "end")
     kwargs = _trainer_kwargs()
     kwargs["args"] = helpers.make_args()
     trainer = GradAccTrainer(**kwargs)
-    trainer.end()  # raised AttributeError ('super' object has no attribute 'end') before
+    assert trainer.end() is None
+    assert calls == (["finish_distributed", "Trainer.end"] if upstream_end else ["finish_distributed"])
+
+
+def test_an_override_that_gains_a_parameter_upstream_is_named_at_construction(monkeypatch, helpers):
+    """An override's parameters are compared exactly, not as a prefix: upstream adding one (even with a default) to
+    a method hf_gradacc overrides would pass it to an override that cannot take it."""
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                             trial, new_upstream_flag=False):  # fmt: skip
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(Trainer, "_init_training_state", _init_training_state)
+    kwargs = _trainer_kwargs()
+    kwargs["args"] = helpers.make_args()
+    with pytest.raises(GradAccCompatibilityError, match=r"Trainer\._init_training_state` has parameters \(.*, "
+                       r"new_upstream_flag\), expected \(max_steps, .*, trial\)"):  # fmt: skip
+        GradAccTrainer(**kwargs)
+
+
+def _trl_trainer_deriving_from(owner: str) -> type:
+    import hf_gradacc.trl as ours
+
+    name = owner.rpartition(".")[2]
+    return getattr(ours, f"GradAcc{name}")
+
+
+TRL_MEMBER_IDS = [f"{m.owner.rpartition('.')[2]}.{m.name}" for m in ALL_MEMBERS if m.owner.startswith("trl.")]
+
+
+@pytest.mark.parametrize("member_id", TRL_MEMBER_IDS)
+def test_a_trl_member_missing_upstream_is_named_at_construction(monkeypatch, member_id: str):
+    """Every TRL private member hf_gradacc.trl relies on is checked when its trainer is constructed, before any
+    argument is read: a method re-signed, or an attribute TRL's source no longer sets (a release that renamed it),
+    is a GradAccCompatibilityError naming the member and the installed TRL."""
+    pytest.importorskip("trl")
+    import hf_gradacc.compat as compat
+
+    member = next(m for m in ALL_MEMBERS if f"{m.owner.rpartition('.')[2]}.{m.name}" == member_id)
+    owner = compat.resolve_owner(member)
+    trainer_class = _trl_trainer_deriving_from(member.owner)
+    compat.check_trainer_class(trainer_class)  # as installed: every member present
+    if member.kind == "attribute":
+        real = compat._class_source
+
+        def renamed(cls: type) -> str:  # TRL's source as if a release renamed the attribute
+            return real(cls).replace(f"self.{member.name}", "self._renamed").replace(f".{member.name} =", "._x =")
+
+        monkeypatch.setattr(compat, "_class_source", renamed)
+        expected = "is no longer set"
+    else:
+        monkeypatch.setattr(owner, member.name, lambda self, renamed_argument: None)
+        expected = "has parameters (renamed_argument)"
+    with pytest.raises(GradAccCompatibilityError) as info:
+        trainer_class()  # the check comes first: no argument is needed to reach it
+    assert f"`{member.qualname}` {expected}" in str(info.value)
+    assert f"trl {installed_version('trl')} is installed" in str(info.value)
 
 
 def _fake_optimizer(name: str, *, coalescing: bool) -> object:
