@@ -54,6 +54,29 @@ class DDPBackend(Backend):
                 "(`--use_cpu true`)."
             )
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Also refuse a model FSDP2-sharded by transformers' ``DistributedConfig`` (``fsdp_size`` /
+        ``dp_replicate_size``) without tensor parallelism: accelerate then sets up plain DDP (the Trainer passes
+        no ``parallelism_config`` when ``tp_size`` is 1), so this backend would drive FSDP2's DTensor gradients
+        as DDP replicas (measured: torch's "c10d.allreduce_ ... no sharding strategy" at the first step)."""
+        super().check_model(model)
+        from torch.distributed.fsdp import FSDPModule
+
+        config = getattr(getattr(model, "config", None), "distributed_config", None)
+        if config is None or not any(isinstance(m, FSDPModule) for m in model.modules()):
+            return
+        replicate = int(getattr(config, "dp_replicate_size", None) or 1)
+        shard = int(getattr(config, "fsdp_size", None) or 1)
+        raise UnsupportedBackendError(
+            f"The model was sharded at load time by `DistributedConfig(dp_replicate_size={replicate}, "
+            f"fsdp_size={shard})` (FSDP2 by transformers), and accelerate set up DDP for it: GradAccTrainer does not "
+            "drive that combination. Load the model without `distributed_config` and let accelerate shard it: "
+            f"`TrainingArguments(fsdp=True, fsdp_config={{'version': 2}}, parallelism_config=ParallelismConfig("
+            f"dp_replicate_size={replicate}, dp_shard_size={shard}))`, or the accelerate config "
+            "examples/accelerate_configs/hsdp.yaml (`parallelism_config_dp_replicate_size` / "
+            "`parallelism_config_dp_shard_size`); see docs/recipes.md, 'HSDP'."
+        )
+
     def sync_context(self, *, is_last: bool) -> contextlib.AbstractContextManager:
         if self.dp_world_size == 1 or (is_last and not self.multi_backward):
             return contextlib.nullcontext()

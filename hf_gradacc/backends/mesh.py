@@ -269,6 +269,8 @@ def mesh_from_accelerator(
             if value:
                 sizes[name] = int(value)
         sources.append("DistributedConfig")
+        if backend == "DDP" and sizes["dp_shard"] > 1:
+            backend = "FSDP2"  # sharded by transformers at load time (accelerate reports plain DDP)
     param_sizes, param_source = _param_mesh(model)
     if "dp_replicate" in param_sizes:
         sizes["dp_replicate"] = param_sizes["dp_replicate"]

@@ -11,6 +11,7 @@ order) before the comparison.
 
 Case keys:
     name, task, trainer ('gradacc' | 'stock'), fsdp_sync, fsdp_config (extra TrainingArguments.fsdp_config),
+    parallelism (TrainingArguments.parallelism_config's sizes: HSDP),
     mode ('trainer' | 'setup_error': report the error the trainer raises | 'direct': FSDP2Backend on a model sharded
     by hand, see `run_direct_case`), hsdp, two_backward (direct mode), hook (trainer mode: an accumulated-gradient
     hook zeroes ``lm_head.weight`` and ``trainer.grads.norm()`` is read before the step), moe (trainer mode: a tiny
@@ -41,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
+from hf_gradacc.backends.mesh import mesh_from_accelerator
 from hf_gradacc.patches.fsdp_cpu import enable_fsdp_on_cpu
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients
@@ -107,6 +109,10 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
         overrides["accelerator_config"] = {"even_batches": False}  # no repeated samples in the short micro-batch
     if launcher == "torchrun":
         overrides.update(fsdp=True, fsdp_config={"version": 2, **case.get("fsdp_config", {})}, ddp_backend="gloo")
+    if case.get("parallelism"):  # e.g. HSDP: {"dp_replicate_size": 2, "dp_shard_size": 2}
+        from accelerate import ParallelismConfig
+
+        overrides["parallelism_config"] = ParallelismConfig(**case["parallelism"])
     if trainer_kind == "gradacc":
         overrides["fsdp_sync"] = case.get("fsdp_sync", "deferred")
         args_class: type[TrainingArguments] = GradAccConfig
@@ -173,6 +179,7 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
     dist.all_gather_object(every_rank, micro_batches)
     step_micro_batches = [mb for per_rank in every_rank for mb in per_rank]
     result.update(
+        mesh=mesh_from_accelerator(trainer.accelerator, trainer.model).describe(),
         distributed_type=str(trainer.accelerator.distributed_type),
         param_types=sorted({type(p).__name__ for p in trainer.model.parameters()}),
         grad_types=sorted(probe.grad_types),
