@@ -261,6 +261,7 @@ def _trainer_pair(
 
 def _setup(opts: argparse.Namespace, *, task: str, model_name: str, model: Any, trainer: Any, world_size: int,
            num_samples: int) -> Any:  # fmt: skip
+    from ..backends.mesh import mesh_from_accelerator
     from ..testing.check_report import Setup, versions
 
     return Setup(
@@ -276,6 +277,7 @@ def _setup(opts: argparse.Namespace, *, task: str, model_name: str, model: Any, 
         device=str(trainer.args.device),
         seed=opts.seed,
         versions=versions(),
+        mesh=mesh_from_accelerator(trainer.accelerator, getattr(trainer, "model_wrapped", None)).describe(),
     )
 
 

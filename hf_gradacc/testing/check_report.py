@@ -40,6 +40,7 @@ class Setup:
     device: str
     seed: int
     versions: dict[str, str]
+    mesh: str = "single process"
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +164,7 @@ def _setup_lines(setup: Setup, data_note: str | None) -> list[str]:
         f"  batch     {bs} per device x {gas} accumulation steps x {processes} = {setup.num_samples} samples per step",
         *([f"  data      {data_note}"] if data_note else []),
         f"  backend   {setup.backend} on {setup.device}",
+        f"  mesh      {setup.mesh}",
         f"  versions  {versions_text}",
     ]
 

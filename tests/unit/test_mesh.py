@@ -118,3 +118,16 @@ def test_hybrid_shard_beside_a_2d_parallelism_config_is_only_warned(caplog):
         check_fsdp2_sharding_strategy(SimpleNamespace(sharding_strategy=None), hsdp,
                                       {"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"})
     assert "is ignored under `fsdp_version: 2`" in caplog.text
+
+
+def test_the_check_report_prints_the_mesh():
+    """`hf-gradacc check` prints the mesh it ran on (the 2-node run printed `mesh      DDP 4, 2 nodes x 2`)."""
+    from hf_gradacc.testing.check_report import HeadResult, Setup, format_heads_report
+    from hf_gradacc.testing.reference import Comparison
+
+    setup = Setup(task="causal_lm", model="tiny", model_class="", num_parameters=0, per_device_train_batch_size=2,
+                  gradient_accumulation_steps=4, world_size=4, num_samples=32, backend="FSDP2", device="cpu", seed=0,
+                  versions={}, mesh=Mesh(backend="FSDP2", world_size=4, dp_replicate=2, dp_shard=2).describe())
+    exact = Comparison(relative_error=3e-7, cosine=1.0, norm_ratio=1.0)
+    row = HeadResult(key="causal_lm", options="--task causal_lm", task="causal_lm", stock=exact, ours=exact)
+    assert "  mesh      HSDP 2 x 2" in format_heads_report(setup, [row], 1e-5).splitlines()
