@@ -37,19 +37,14 @@ from .checkpoints import DataPosition, ResumePoint, checkpoint_save, prefix_bloc
 from .checks import start_up_check
 from .compat import check_trainer_class
 from .config import GradAccArguments, GradAccSettings, resolve_settings
-from .data.loader import (
-    build_train_dataloader,
-    check_train_dataset,
-    fetch_batches,
-    find_regroup_sampler,
-    plan_epoch,
-)
+from .data.loader import build_train_dataloader, check_train_dataset, fetch_batches, find_regroup_sampler, plan_epoch
 from .data.pack_check import check_packing_support
 from .distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .errors import GradAccConfigError, GradAccLossError, GradAccUsageError
 from .fused_head import check_fused_setting
 from .grads import AccumulatedGradHook, GradAccess
 from .heads import Head
+from .log import announce_active
 from .loss import LossOutput, LossTerm, parse_loss_output
 from .nonfinite import poison_nonfinite
 from .run_plan import realign_learning_rate, resumed_start, training_values
@@ -110,6 +105,7 @@ class GradAccMixin:
         The ONE setup path, run by ``__init__`` after `Trainer.__init__` and by :func:`~hf_gradacc.make_exact` on a
         trainer built by someone else. Subclasses with checks of their own (``hf_gradacc.trl``) extend it with
         ``super()._setup_gradacc(gradacc_args)`` first."""
+        announce_active(self)  # hf_gradacc's loggers follow the Trainer's log_level; one line when training begins
         self.gradacc = settings = resolve_settings(self.args, gradacc_args)
         # `compute_loss_func` (a Trainer argument) replaces the built-in loss exactly as an override does.
         self._loss_from_func = type(self).compute_loss is GradAccMixin.compute_loss and self.compute_loss_func is not None
@@ -146,8 +142,7 @@ class GradAccMixin:
             raise GradAccConfigError(
                 "`defer_normalization=True` cannot be combined with an overridden `training_step`; turn one off."
             )
-        self.num_skipped_windows = 0
-        self.num_nonfinite_skipped = 0
+        self.num_skipped_windows = self.num_nonfinite_skipped = 0
         self._loss_check_due, self._loss_check = False, None
         self._fused_head_ran = False  # the built-in loss ran the fused head (a custom training_step may bypass it)
         self._window: Window | None = None

@@ -30,6 +30,19 @@ def _fresh_warning_once_cache():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _default_verbosity():
+    """Each test starts at transformers' default verbosity, which hf_gradacc's loggers follow (hf_gradacc/log.py): a
+    Trainer's `log_level` or the CLI's quiet mode set it for the whole process, and would hide later tests' warnings."""
+    import logging
+
+    import transformers
+
+    transformers.utils.logging.set_verbosity_warning()
+    logging.getLogger("hf_gradacc").setLevel(logging.NOTSET)
+    yield
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_single_thread():
     import transformers
