@@ -13,7 +13,8 @@ Three ways to set the knobs, all resolved by :func:`resolve_settings` exactly on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import difflib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -221,6 +222,14 @@ class GradAccArguments:
         },
     )
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> GradAccArguments:
+        # Before the dataclass __init__, whose TypeError ("unexpected keyword argument") names no close match.
+        known = [f.name for f in dataclasses.fields(cls) if f.init]
+        unknown = [name for name in kwargs if name not in known]
+        if unknown:
+            raise unknown_knobs_error(unknown, where=cls.__name__, known=known)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:  # TrainingArguments.__post_init__ first, then the cross-field checks
@@ -322,15 +331,38 @@ class GradAccSettings:
         return self.regroup_micro_batches or self.max_tokens_per_micro_batch is not None or self.pack_micro_batches
 
 
+def unknown_knobs_error(unknown: Iterable[str], *, where: str, known: Iterable[str] = GRADACC_FIELDS) -> GradAccConfigError:
+    """The error for knob names that do not exist: each with its closest known name (difflib), then hf_gradacc's
+    knobs. ``known``: the names accepted where they were given (default: the :class:`GradAccArguments` fields).
+
+    Example:
+        ```python
+        raise unknown_knobs_error(["regroup_microbatches"], where="gradacc_args")
+        # GradAccConfigError: `gradacc_args` has an unknown field `regroup_microbatches` (did you mean
+        # `regroup_micro_batches`?); hf_gradacc's knobs are: head_type, ignore_index, ...
+        ```
+    """
+    known = list(known)
+    names = []
+    for name in sorted(set(unknown)):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        names.append(f"`{name}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
+    fields = "an unknown field " if len(names) == 1 else "unknown fields "
+    others = "" if set(known) <= set(GRADACC_FIELDS) else " (or another field of the arguments)"
+    return GradAccConfigError(
+        f"`{where}` has {fields}{', '.join(names)}; hf_gradacc's knobs are: {', '.join(GRADACC_FIELDS)}{others}."
+    )
+
+
 def _knobs_of(source: Any, *, where: str) -> dict[str, Any]:
     if source is None:
         return {}
     if isinstance(source, GradAccArguments):
         return {name: getattr(source, name) for name in GRADACC_FIELDS}
     if isinstance(source, Mapping):
-        unknown = sorted(set(source) - set(GRADACC_FIELDS))
+        unknown = [name for name in source if name not in GRADACC_FIELDS]
         if unknown:
-            raise GradAccConfigError(f"`{where}` has unknown field(s) {unknown}; known: {list(GRADACC_FIELDS)}")
+            raise unknown_knobs_error(unknown, where=where)
         return dict(source)
     raise GradAccConfigError(f"`{where}` must be a GradAccArguments or a dict, got {type(source).__name__}")
 

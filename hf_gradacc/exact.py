@@ -33,6 +33,7 @@ from transformers.utils import logging
 
 from . import patches
 from .compat import check_trainer_class
+from .config import GRADACC_FIELDS, unknown_knobs_error
 from .errors import GradAccTypeError, GradAccUsageError
 from .mixin import GradAccMixin
 
@@ -66,6 +67,8 @@ def make_exact(trainer: Trainer, **gradacc_args: Any) -> Trainer:
         GradAccTypeError: ``trainer`` is not a `Trainer`, or its class cannot be made exact (the message says what
             to construct instead).
         GradAccUsageError: ``train()`` has started, or knobs were passed for a trainer already made exact.
+        GradAccConfigError: a knob name that does not exist (the message names the closest one) or a knob value that
+            is invalid.
 
     Example:
         ```python
@@ -80,6 +83,9 @@ def make_exact(trainer: Trainer, **gradacc_args: Any) -> Trainer:
         raise GradAccTypeError(
             f"make_exact takes a transformers.Trainer (or a subclass of it), got a {type(trainer).__name__}."
         )
+    unknown = [name for name in gradacc_args if name not in GRADACC_FIELDS]
+    if unknown:
+        raise unknown_knobs_error(unknown, where="make_exact(**knobs)")
     if isinstance(trainer, GradAccMixin):
         if gradacc_args:
             raise GradAccUsageError(

@@ -7,13 +7,16 @@ the plugin at ``micro_batch_size: 2, gradient_accumulation_steps: 4`` must equal
 stock axolotl at 2 x 4 must not (> 1e-3), so each test can fail. Samples of unequal lengths and unequal trained
 tokens (prompts not trained on: ``-100`` labels), reward pairs of unequal lengths, 7 pairs (micro-batches 2+2+2+1).
 
-Skipped without axolotl (``pip install axolotl==0.19.0`` beside ``torch==2.13.0``, see docs/axolotl.md). Nine runs of
-about 20 s of CPU each (most of it importing the axolotl stack): 3 min of CPU on 2 cores (measured 2026-11-25).
+The real runs (marked ``axolotl``) are skipped without axolotl (``pip install axolotl==0.19.0`` beside
+``torch==2.13.0``, see docs/axolotl.md). Nine runs of about 20 s of CPU each (most of it importing the axolotl stack):
+3 min of CPU on 2 cores (measured 2026-11-25). The in-process tests of the plugin's configuration checks, its
+collator wrapper and its class swap need no axolotl (:mod:`hf_gradacc.integrations.axolotl_core`) and always run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -25,15 +28,17 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
+from safetensors.torch import load_file
 
-pytest.importorskip("axolotl")
-yaml = pytest.importorskip("yaml")
-from safetensors.torch import load_file  # noqa: E402
+from hf_gradacc import GradAccConfigError
+from hf_gradacc.integrations import axolotl_core
+from hf_gradacc.testing.tiny import VOCAB_SIZE
+from hf_gradacc.testing.trl_steps import word, word_tokenizer
 
-from hf_gradacc.testing.tiny import VOCAB_SIZE  # noqa: E402
-from hf_gradacc.testing.trl_steps import word, word_tokenizer  # noqa: E402
-
-pytestmark = [pytest.mark.axolotl, pytest.mark.slow]
+HAS_AXOLOTL = importlib.util.find_spec("axolotl") is not None
+# the tests that run axolotl itself: marked `axolotl`, and skipped where it is not installed
+needs_axolotl = pytest.mark.skipif(not HAS_AXOLOTL, reason="axolotl is not installed (pip install axolotl==0.19.0)")
 
 PLUGIN = "hf_gradacc.integrations.axolotl.GradAccPlugin"
 ACTIVE = "hf_gradacc: exact gradient accumulation is active on axolotl's"
@@ -157,6 +162,9 @@ def _every_parameter_changed(setup: dict[str, Any], name: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- real runs
+@pytest.mark.axolotl
+@pytest.mark.slow
+@needs_axolotl
 def test_causal_lm_accumulated_step_equals_the_full_batch_step(causal: dict[str, Any]) -> None:
     reference, _ = _train(causal, "full_batch", **FULL_BATCH)
     stock, _ = _train(causal, "stock_ga4", **ACCUMULATED)
@@ -169,6 +177,9 @@ def test_causal_lm_accumulated_step_equals_the_full_batch_step(causal: dict[str,
     assert f"{ACTIVE} AxolotlTrainer (now GradAccAxolotlTrainer)" in output
 
 
+@pytest.mark.axolotl
+@pytest.mark.slow
+@needs_axolotl
 def test_packed_accumulated_step_equals_the_unpacked_full_batch_step(causal: dict[str, Any]) -> None:
     """Multipack (sdpa: block-diagonal mask from the restarting position_ids), rows of at most 32 tokens, 2 rows per
     micro-batch, 2 micro-batches: the 8 samples in 4 packed rows equal the 8 samples padded in one micro-batch."""
@@ -181,6 +192,9 @@ def test_packed_accumulated_step_equals_the_unpacked_full_batch_step(causal: dic
     assert "packed rows: the label at each sample start is ignored" in output
 
 
+@pytest.mark.axolotl
+@pytest.mark.slow
+@needs_axolotl
 def test_reward_model_accumulated_step_equals_the_full_batch_step(reward: dict[str, Any]) -> None:
     reference, _ = _train(reward, "full_batch", **FULL_BATCH)
     stock, _ = _train(reward, "stock_ga4", **ACCUMULATED)
@@ -192,6 +206,9 @@ def test_reward_model_accumulated_step_equals_the_full_batch_step(reward: dict[s
     assert f"{ACTIVE} AxolotlRewardTrainer (now GradAccAxolotlRewardTrainer)" in output
 
 
+@pytest.mark.axolotl
+@pytest.mark.slow
+@needs_axolotl
 def test_dpo_accumulated_step_equals_the_full_batch_step(causal: dict[str, Any], tmp_path: Path) -> None:
     """`rl: dpo` (axolotl's DPO trainer, made hf_gradacc.trl's): 7 prompt / chosen / rejected text pairs."""
     rng = random.Random(2)
@@ -221,13 +238,6 @@ def test_dpo_accumulated_step_equals_the_full_batch_step(causal: dict[str, Any],
 
 
 # ---------------------------------------------------------------------------------------------- in process
-@pytest.fixture(scope="module")
-def plugin_module() -> Any:
-    from hf_gradacc.integrations import axolotl as plugin
-
-    return plugin
-
-
 @pytest.mark.parametrize(
     ("config", "knobs", "message"),
     [
@@ -241,30 +251,29 @@ def plugin_module() -> Any:
         ({"context_parallel_size": 2}, {}, "`context_parallel_size: 2`"),
     ],
 )  # fmt: skip
-def test_refused_setups_name_the_key(plugin_module: Any, config: dict, knobs: dict, message: str) -> None:
-    from hf_gradacc import GradAccConfigError
-
+def test_refused_setups_name_the_key(config: dict, knobs: dict, message: str) -> None:
     with pytest.raises(GradAccConfigError, match=re.escape(message)):
-        plugin_module.check_axolotl_config(config, knobs)
+        axolotl_core.check_axolotl_config(config, knobs)
 
 
-def test_supported_setups_pass(plugin_module: Any) -> None:
-    plugin_module.check_axolotl_config({}, {})
-    plugin_module.check_axolotl_config({"sample_packing": True, "attn_decontaminates_packing": True}, {})
-    plugin_module.check_axolotl_config({"reward_model": True}, {"regroup_micro_batches": True})
+def test_supported_setups_pass() -> None:
+    axolotl_core.check_axolotl_config({}, {})
+    axolotl_core.check_axolotl_config({"sample_packing": True, "attn_decontaminates_packing": True}, {})
+    axolotl_core.check_axolotl_config({"reward_model": True}, {"regroup_micro_batches": True})
 
 
-def test_yaml_knobs_are_validated(plugin_module: Any) -> None:
-    args = plugin_module.GradAccAxolotlArgs(gradacc={"nonfinite_steps": "skip"})
+def test_yaml_knobs_are_validated() -> None:
+    args = axolotl_core.GradAccAxolotlArgs(gradacc={"nonfinite_steps": "skip"})
     assert args.gradacc == {"nonfinite_steps": "skip"}
-    assert plugin_module.GradAccAxolotlArgs().gradacc is None
-    with pytest.raises(ValueError, match="unknown keys \\['regroup'\\]"):
-        plugin_module.GradAccAxolotlArgs(gradacc={"regroup": True})
+    assert axolotl_core.GradAccAxolotlArgs().gradacc is None
+    with pytest.raises(ValueError, match="`gradacc` has an unknown field `regroup_microbatches` \\(did you mean "
+                       "`regroup_micro_batches`\\?\\); hf_gradacc's knobs are: head_type, "):  # fmt: skip
+        axolotl_core.GradAccAxolotlArgs(gradacc={"regroup_microbatches": True})
     with pytest.raises(ValueError, match="nonfinite_steps"):
-        plugin_module.GradAccAxolotlArgs(gradacc={"nonfinite_steps": "sometimes"})
+        axolotl_core.GradAccAxolotlArgs(gradacc={"nonfinite_steps": "sometimes"})
 
 
-def test_sample_start_labels_are_ignored(plugin_module: Any) -> None:
+def test_sample_start_labels_are_ignored() -> None:
     def collator(features: Any) -> dict[str, torch.Tensor]:
         return {
             "input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
@@ -273,43 +282,49 @@ def test_sample_start_labels_are_ignored(plugin_module: Any) -> None:
         }
 
     collator.tokenizer = "tok"  # type: ignore[attr-defined]
-    wrapped = plugin_module.SampleStartMasked(collator)
+    wrapped = axolotl_core.SampleStartMasked(collator)
     assert wrapped([])["labels"].tolist() == [[-100, 6, 7, -100, 9]]
     assert wrapped.tokenizer == "tok"
-    unpacked = plugin_module.SampleStartMasked(lambda f: {"labels": torch.tensor([[5, 6]])})
+    unpacked = axolotl_core.SampleStartMasked(lambda f: {"labels": torch.tensor([[5, 6]])})
     assert unpacked([])["labels"].tolist() == [[5, 6]]
 
 
-def test_axolotl_step_wrappers_become_step_contexts(plugin_module: Any) -> None:
-    """AxolotlTrainer's `training_step` only wraps the stock one in two contexts: the class handed to make_exact has
-    the stock `training_step`, and the contexts are entered around each micro-batch, outermost first."""
-    from axolotl.core.trainers.base import AxolotlTrainer
-    from transformers import Trainer
+def _recorder(entered: list[str], name: str) -> Any:
+    @contextlib.contextmanager
+    def context() -> Any:
+        entered.append(f"enter {name}")
+        yield
+        entered.append(f"exit {name}")
 
-    unwrapped, contexts = plugin_module._without_step_wrappers(AxolotlTrainer)
-    assert unwrapped.training_step is Trainer.training_step and issubclass(unwrapped, AxolotlTrainer)
-    assert contexts == ["_layer_offload_ctx", "activation_offload_context"]
+    return context()
 
+
+def test_step_contexts_are_entered_around_each_micro_batch_outermost_first() -> None:
     entered: list[str] = []
-
-    def recorder(name: str) -> Any:
-        @contextlib.contextmanager
-        def context() -> Any:
-            entered.append(f"enter {name}")
-            yield
-            entered.append(f"exit {name}")
-
-        return context()
 
     class Base:
         def training_step_context(self) -> Any:
-            return recorder("inner")
+            return _recorder(entered, "inner")
 
-    made = plugin_module._with_step_contexts(Base, tuple(contexts))
+    made = axolotl_core._with_step_contexts(Base, ("_layer_offload_ctx", "activation_offload_context"))
     trainer = made()
-    trainer._layer_offload_ctx, trainer.activation_offload_context = recorder("layer"), recorder("activation")
+    trainer._layer_offload_ctx = _recorder(entered, "layer")
+    trainer.activation_offload_context = _recorder(entered, "activation")
     with trainer.training_step_context():
         entered.append("step")
     assert entered == [
         "enter layer", "enter activation", "enter inner", "step", "exit inner", "exit activation", "exit layer",
     ]  # fmt: skip
+
+
+@pytest.mark.axolotl
+@needs_axolotl
+def test_axolotl_step_wrappers_become_step_contexts() -> None:
+    """AxolotlTrainer's `training_step` only wraps the stock one in two contexts: the class handed to make_exact has
+    the stock `training_step`, and the contexts are the two axolotl keeps on the instance, outermost first."""
+    from axolotl.core.trainers.base import AxolotlTrainer
+    from transformers import Trainer
+
+    unwrapped, contexts = axolotl_core._without_step_wrappers(AxolotlTrainer)
+    assert unwrapped.training_step is Trainer.training_step and issubclass(unwrapped, AxolotlTrainer)
+    assert contexts == ["_layer_offload_ctx", "activation_offload_context"]
