@@ -534,7 +534,9 @@ def test_collator_pads_what_the_cost_model_prices_cheaper_padded():
     assert PackedCollator(cost_model=AttentionCostModel(per_score=0.0))(samples)["input_ids"].shape == (1, 5)
 
 
-@pytest.mark.parametrize(("attn", "dense"), [("sdpa", True), ("eager", True), ("flash_attention_2", False)])
+@pytest.mark.parametrize(
+    ("attn", "dense"), [("sdpa", True), ("eager", True), ("flash_attention_2", False), ("flex_attention", False)]
+)
 def test_cost_model_of_a_model_follows_its_attention_and_size(attn, dense):
     model = build_tiny_model("causal_lm")
     model.config._attn_implementation = attn
@@ -564,3 +566,21 @@ def test_a_padded_micro_batch_of_the_collator_trains_exactly_like_the_packed_row
     # (measured 6e-8 on the loss, 3e-8 eager / 1e-16 sdpa on the gradient).
     assert float(padded_grad.norm()) > 0
     assert relative(padded_loss, packed_loss) <= TOL_FLOAT32 and relative(padded_grad, packed_grad) <= TOL_FLOAT32
+
+
+def test_flex_attention_prices_a_packed_row_per_document():
+    """Flex attention over a packed row runs on the block mask of its documents (transformers' masking_utils builds it
+    from the restarting position ids): a row of eight 100-token documents costs their 8 x 100^2 scores, like the
+    variable-length kernels, never the 800^2 of a dense row, so the sampler packs such rows instead of padding
+    them."""
+    model = build_tiny_model("causal_lm")
+    model.set_attn_implementation("flex_attention")
+    flex = AttentionCostModel.for_model(model)
+    lengths = [100] * 8
+    assert flex.packed_cost(lengths) == pytest.approx(flex.per_micro_batch + 800 + flex.per_score * 8 * 100**2)
+    assert flex.packs(lengths) and flex.cost(lengths) == flex.padded_cost(lengths)  # the same positions and scores
+    model.set_attn_implementation("sdpa")
+    dense = AttentionCostModel.for_model(model)
+    assert dense.per_score == flex.per_score  # the same model: only the score count differs
+    assert dense.packed_cost(lengths) == pytest.approx(dense.per_micro_batch + 800 + dense.per_score * 800**2)
+    assert not dense.packs(lengths)  # a dense row of 800 costs more than the eight rows padded
