@@ -17,6 +17,7 @@ right before its fence in the Markdown, ``<!-- snippet: skip (the reason) -->``;
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import types
@@ -140,9 +141,34 @@ def one_step_runs(monkeypatch: pytest.MonkeyPatch, checkpoint_dir: Path) -> None
     monkeypatch.setattr(transformers.TrainingArguments, "__post_init__", post_init)
 
 
+@pytest.fixture
+def train_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[transformers.Trainer, object]]:
+    """``(trainer, TrainOutput)`` of every ``train()`` a block runs (any Trainer class: they all reach
+    ``transformers.Trainer.train``)."""
+    runs: list[tuple[transformers.Trainer, object]] = []
+    original = transformers.Trainer.train
+
+    def train(self: transformers.Trainer, *args: object, **kwargs: object) -> object:
+        output = original(self, *args, **kwargs)
+        runs.append((self, output))
+        return output
+
+    monkeypatch.setattr(transformers.Trainer, "train", train)
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, code", BLOCKS)
-def test_snippet_runs_as_printed(name: str, code: str, one_step_runs: None) -> None:
+def test_snippet_runs_as_printed(name: str, code: str, one_step_runs: None, train_runs: list) -> None:
+    """The block runs to its end (its own asserts included), defines or imports something, and every training run
+    it starts takes its optimizer step (``max_steps=1``) with a finite training loss."""
     torch.manual_seed(0)
-    namespace = {"__name__": "__snippet__", **_placeholders()}
+    placeholders = _placeholders()
+    namespace = {"__name__": "__snippet__", **placeholders}
     exec(compile(code, name, "exec"), namespace)  # noqa: S102  (the docs' own code)
+    new = {key for key in namespace if key not in placeholders and key not in ("__name__", "__builtins__")}
+    assert new or train_runs, f"{name}: the block neither defines anything nor trains"
+    for trainer, output in train_runs:
+        assert trainer.state.global_step >= 1, f"{name}: {type(trainer).__name__}.train() took no optimizer step"
+        loss = getattr(output, "training_loss", None)
+        assert loss is not None and math.isfinite(loss), f"{name}: {type(trainer).__name__} training loss {loss}"
