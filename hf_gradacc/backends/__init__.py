@@ -26,6 +26,7 @@ SUPPORTED_BACKENDS = (
     "DDP (MULTI_CPU / MULTI_GPU / MULTI_XPU / ...)",
     "DeepSpeed ZeRO-1/2/3",
     "FSDP2",
+    "tensor parallel (transformers DistributedConfig tp_size, alone or x FSDP2)",
 )
 
 
@@ -97,6 +98,10 @@ def resolve_backend(
     check_requested_backend(dist_type)
     _check_joined_world()
     if dist_type in ddp_types:
+        if int(getattr(getattr(accelerator, "parallelism_config", None), "tp_size", 1) or 1) > 1:
+            from .tensor_parallel import TensorParallelBackend  # a model sharded by transformers' DistributedConfig
+
+            return TensorParallelBackend(accelerator, args, settings, multi_backward=multi_backward)
         return DDPBackend(accelerator, args, settings, multi_backward=multi_backward)
     if dist_type == DistributedType.DEEPSPEED:
         from .deepspeed import DeepSpeedBackend  # deepspeed is an optional dependency

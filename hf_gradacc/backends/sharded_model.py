@@ -1,0 +1,60 @@
+"""Models sharded at load time by transformers' ``DistributedConfig``: which of them GradAccTrainer refuses, by name.
+
+Apart from :mod:`hf_gradacc.backends.tensor_parallel` so that every backend's ``check_model`` can ask it without an
+import cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedBackendError
+
+# Why each DistributedConfig field is refused (measured with transformers 5.24.0, accelerate 1.15.0, torch 2.13.0,
+# 2 gloo ranks on CPU, the stock Trainer; see docs/backends.md).
+_REFUSED = {
+    "pp_size": (
+        "the transformers 5.24 Trainer does not train a pipeline-parallel model: before the first step "
+        "`Trainer._sync_replicated_trainable_parameters` broadcasts every plain trainable parameter from rank 0, but "
+        "each pipeline stage holds different layers, so the broadcasts do not match and the ranks abort (measured on "
+        "2 CPU ranks); there is no pipeline schedule in the Trainer's step either"
+    ),
+}
+
+
+def distributed_config_of(model: torch.nn.Module | None) -> Any | None:
+    """The ``DistributedConfig`` a model was sharded with at load time, or None (a model built or wrapped otherwise)."""
+    from ..heads import unwrap_model
+
+    if model is None:
+        return None
+    base = unwrap_model(model)
+    if not getattr(base, "_is_distributed_loading_by_transformers", False):
+        return None
+    return getattr(getattr(base, "config", None), "distributed_config", None)
+
+
+def check_model_sharding(model: torch.nn.Module | None) -> Any | None:
+    """Raise :class:`~hf_gradacc.UnsupportedBackendError` naming the field for a model sharded at load time with a
+    parallelism GradAccTrainer does not train (``pp_size`` > 1); return its ``DistributedConfig``
+    (None for a model not sharded by transformers).
+
+    Example:
+        ```python
+        check_model_sharding(model)   # after from_pretrained(..., distributed_config=DistributedConfig(tp_size=2))
+        ```
+    """
+    config = distributed_config_of(model)
+    if config is None:
+        return None
+    for field_name, why in _REFUSED.items():
+        size = int(getattr(config, field_name, None) or 1)
+        if size > 1:
+            raise UnsupportedBackendError(
+                f"`DistributedConfig({field_name}={size})` is not supported by GradAccTrainer: {why}. Load the model "
+                f"with `{field_name}=1` (tensor parallelism `tp_size`, expert parallelism `ep_size` and FSDP2 "
+                "`fsdp_size` / `dp_replicate_size` are supported)."
+            )
+    return config

@@ -1,0 +1,84 @@
+"""The pure parts of hf_gradacc.backends.tensor_parallel and the CPU patch for a tensor-parallel ParallelismConfig
+(the 4-rank run is tests/distributed/test_mesh_tp.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hf_gradacc.backends.tensor_parallel import check_model_sharding, data_group_ranks, distributed_config_of
+from hf_gradacc.errors import UnsupportedBackendError
+
+
+@pytest.mark.parametrize(
+    ("sizes", "groups"),
+    [
+        ({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}, [[0, 2], [1, 3]]),
+        ({"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}, [[0, 2, 4, 6], [1, 3, 5, 7]]),
+        ({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 4}, [[0], [1], [2], [3]]),
+        ({"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}, [[0, 1, 2, 3]]),
+    ],
+)
+def test_data_groups_follow_transformers_mesh_layout(sizes, groups):
+    """transformers builds ("pp", "dp_replicate", "fsdp", "tp") row-major: the tensor ranks are neighbours."""
+    assert data_group_ranks(sizes, 0) == groups
+    flat = sorted(r for g in groups for r in g)
+    assert flat == list(range(len(flat)))  # every rank in exactly one data group
+    mesh = torch.arange(len(flat)).reshape(sizes["pp"], sizes["dp_replicate"], sizes["dp_shard"], sizes["tp"])
+    for t, group in enumerate(groups):
+        assert group == mesh[0, :, :, t].reshape(-1).tolist()
+
+
+def _sharded_model(**sizes):
+    from transformers.distributed import DistributedConfig
+
+    model = torch.nn.Linear(2, 2)
+    model.config = SimpleNamespace(distributed_config=DistributedConfig(**sizes))
+    model._is_distributed_loading_by_transformers = True
+    return model
+
+
+def test_pipeline_parallelism_is_refused_by_name():
+    model = _sharded_model(pp_size=2)
+    with pytest.raises(UnsupportedBackendError, match=r"pp_size=2.*_sync_replicated_trainable_parameters"):
+        check_model_sharding(model)
+
+
+def test_tensor_and_expert_parallel_models_pass_and_plain_models_are_not_sharded():
+    assert check_model_sharding(_sharded_model(tp_size=2, fsdp_size=2)).tp_size == 2
+    assert check_model_sharding(_sharded_model(fsdp_size=2, ep_size=2)).ep_size == 2
+    plain = torch.nn.Linear(2, 2)
+    assert distributed_config_of(plain) is None and check_model_sharding(plain) is None
+
+
+def test_the_cpu_patch_lifts_only_the_multi_cpu_refusal():
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    from hf_gradacc.patches.parallelism_cpu import (
+        disable_parallelism_on_cpu,
+        enable_parallelism_on_cpu,
+        is_parallelism_on_cpu_enabled,
+    )
+
+    original = ParallelismConfig._validate_accelerator
+    config = ParallelismConfig(tp_size=2)
+    cpu = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2, is_fsdp2=False,
+                          multi_device=False, is_main_process=True)  # fmt: skip
+    with pytest.raises(ValueError, match="only compatible"):
+        config._validate_accelerator(cpu)
+    try:
+        assert enable_parallelism_on_cpu() and enable_parallelism_on_cpu()  # idempotent
+        assert is_parallelism_on_cpu_enabled()
+        config._validate_accelerator(cpu)  # accepted now
+        with pytest.raises(ValueError, match="num_processes"):  # accelerate's other checks stay
+            config._validate_accelerator(SimpleNamespace(**{**vars(cpu), "num_processes": 4}))
+        with pytest.raises(ValueError, match="only compatible"):  # context parallelism still needs a device
+            ParallelismConfig(cp_size=2)._validate_accelerator(cpu)
+    finally:
+        disable_parallelism_on_cpu()
+    assert not is_parallelism_on_cpu_enabled()
+    assert ParallelismConfig._validate_accelerator is original
+    disable_parallelism_on_cpu()  # idempotent
