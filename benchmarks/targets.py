@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -85,15 +86,27 @@ TARGETS: tuple[Target, ...] = (
 
 def check(rows: Sequence[dict[str, Any]], targets: Sequence[Target] = TARGETS) -> list[tuple[Target, float, str]]:
     """(target, ratio, what was compared) for every target whose rows are in ``rows`` (the ``rows`` of a ``--json``
-    file)."""
+    file). With ``--repeats`` each repeat is measured on its own rows; the ratio is the median over the repeats, and
+    what was compared ends with their [min-max]."""
     results = []
     for target in targets:
-        group = {
-            r["trainer"]: r for r in rows if (r["dataset"], r["vocab_size"]) == (target.dataset, target.vocab_size)
-        }
-        measured = target.measure(group)
-        if measured is not None:
-            results.append((target, *measured))
+        measured = []
+        for repeat in sorted({r.get("repeat", 0) for r in rows}):
+            group = {
+                r["trainer"]: r
+                for r in rows
+                if (r["dataset"], r["vocab_size"], r.get("repeat", 0)) == (target.dataset, target.vocab_size, repeat)
+            }
+            one = target.measure(group)
+            if one is not None:
+                measured.append(one)
+        if measured:
+            ratios = [ratio for ratio, _ in measured]
+            median = statistics.median(ratios)
+            what = min(measured, key=lambda m: abs(m[0] - median))[1]  # the repeat nearest the median
+            if len(measured) > 1:
+                what += f"; {len(measured)} repeats: [{min(ratios):.3f}-{max(ratios):.3f}]"
+            results.append((target, median, what))
     return results
 
 

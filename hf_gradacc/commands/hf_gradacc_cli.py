@@ -3,8 +3,9 @@
 * ``check`` (:mod:`.check`): one accumulated optimizer step, stock `Trainer` vs GradAccTrainer, against the
   float64 full-batch gradient (by default on every built-in tiny head, one row each); exit 0 only when
   GradAccTrainer is exact.
-* ``bench`` (:mod:`.bench`): the stock `Trainer` against GradAccTrainer (plain, regrouped, token budget), timed in
-  one run.
+* ``bench`` (:mod:`.bench`): the stock `Trainer` and its variants against GradAccTrainer's (the rows:
+  :func:`hf_gradacc.testing.benchmark.describe_trainers`, also the help text), timed in one run; ``--repeats`` for
+  each ratio's median and [min-max], ``--quick`` for a first look.
 * ``plot`` (:mod:`.plot`): a run's training curves (loss, grad norm, learning rate, tokens/s, padding, effective
   batch, gradient noise scale) from its ``trainer_state.json``, to a PNG.
 
@@ -12,7 +13,7 @@ Example:
     ```bash
     hf-gradacc check                                   # every built-in tiny head, 2 x GA 4
     hf-gradacc check --task sequence_classification --json out.json --plot curves.png
-    hf-gradacc bench --steps 4 --datasets long_tailed
+    hf-gradacc bench --quick                           # a first look, with each ratio's spread
     hf-gradacc plot out/                               # out/curves.png from out/[checkpoint-*/]trainer_state.json
     accelerate launch --config_file examples/accelerate_configs/ddp_cpu.yaml -m hf_gradacc check   # 2 CPU ranks
     ```

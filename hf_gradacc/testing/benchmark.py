@@ -10,6 +10,8 @@ and each step time is compared with the stock Trainer's step ``s`` (the median o
 Columns:
 
 * step time ratio: median over timed steps of (trainer's step time / stock step time), pair by pair;
+* CPU time ratio: the same with the process's CPU time over each step (``time.process_time``: one trainer runs at a
+  time, so it is that trainer's; less moved by other processes on a busy machine than the wall time);
 * total time ratio: sum of timed step times / the stock sum;
 * computed / real tokens: token positions the model computed (``input_ids`` size: padding included) per real token;
 * peak memory: the largest increase of memory within one step, EVERY step included (the first one, with its
@@ -80,6 +82,20 @@ _TRAINER_LABELS = {
 # not in the default set yet. ``stock_liger``: the stock Trainer with ``use_liger_kernel=True`` (Liger-Kernel's
 # Triton kernels, its fused linear cross-entropy among them: a GPU and the ``liger-kernel`` package).
 ALL_TRAINERS: tuple[str, ...] = (*TRAINERS, "fused", "budget_fused", "pack_fused", "stock_liger")
+def describe_trainers() -> str:
+    """What ``hf-gradacc bench`` compares, from the rows' labels: one source for its help and the top-level help."""
+    stock = [_TRAINER_LABELS[n].split(", ", 1)[1] for n in ALL_TRAINERS if n.startswith("stock_")]
+    ours = [
+        _TRAINER_LABELS[n].replace("GradAccTrainer", "", 1).strip() or "plain"
+        for n in ALL_TRAINERS
+        if not n.startswith("stock")
+    ]
+    return (
+        f"time the stock Trainer (as is; {'; '.join(stock)}) against GradAccTrainer ({'; '.join(ours)}), one "
+        "optimizer step per trainer in turn, in one run"
+    )
+
+
 # The stock samplers of transformers 5.23 (`train_sampling_strategy`) each stock variant uses.
 _STOCK_SAMPLING = {"stock_group_by_length": "group_by_length", "stock_batch_rebalance": "batch_rebalance"}
 _TURN_TIMEOUT_S = 1800.0  # a step that takes longer than this is a hang, not a measurement
@@ -144,6 +160,9 @@ class BenchRow:
     lm_head_rows_per_target: float = float("nan")
     step_times_s: tuple[float, ...] = field(default=())
     step_peaks_bytes: tuple[int, ...] = field(default=())
+    median_step_cpu_time_s: float = float("nan")
+    cpu_time_ratio: float = float("nan")
+    step_cpu_times_s: tuple[float, ...] = field(default=())
 
 
 # ---------------------------------------------------------------------------------------------- data and model
@@ -289,12 +308,14 @@ def _turn_callback(name: str, probe: _MemoryProbe, world_size: int):
             self.go = threading.Semaphore(0)
             self.done = threading.Semaphore(0)
             self.step_times: list[float] = []
+            self.step_cpu_times: list[float] = []
             self.step_peaks: list[int] = []
             self.step_real_tokens: list[int] = []
             self.reductions = 0
             self.error: BaseException | None = None
             self.trainer = None
             self._t0 = 0.0
+            self._cpu0 = 0.0
             self._real0 = 0
 
         def _wait_turn(self) -> None:
@@ -302,6 +323,7 @@ def _turn_callback(name: str, probe: _MemoryProbe, world_size: int):
                 raise TimeoutError(f"bench: {self.name} waited {_TURN_TIMEOUT_S:.0f}s for its turn")
             probe.start()
             self._real0 = getattr(self.trainer, "real", 0)
+            self._cpu0 = time.process_time()
             self._t0 = time.perf_counter()
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -321,6 +343,7 @@ def _turn_callback(name: str, probe: _MemoryProbe, world_size: int):
             if probe.cuda:
                 torch.cuda.synchronize()
             self.step_times.append(time.perf_counter() - self._t0)
+            self.step_cpu_times.append(time.process_time() - self._cpu0)
             self.step_peaks.append(probe.peak())
             self.step_real_tokens.append(getattr(self.trainer, "real", 0) - self._real0)
             self.done.release()
@@ -483,12 +506,15 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
     finals = {n: _flat_params(t.accelerator.unwrap_model(t.model)) for n, t in trainers.items()}
     skip = settings.num_warmup_steps
     stock_times = turns["stock"].step_times[skip:]
+    stock_cpu = turns["stock"].step_cpu_times[skip:]
     stock_peak = max(turns["stock"].step_peaks or [0])  # every step: the first one is no less real
     rows = []
     for name in settings.trainers:
         times = turns[name].step_times[skip:]
         peak = max(turns[name].step_peaks or [0])
         ratios = [t / s for t, s in zip(times, stock_times)]
+        cpu = turns[name].step_cpu_times[skip:]
+        cpu_ratios = [t / s for t, s in zip(cpu, stock_cpu) if s > 0]
         diff = None
         if "plain" in finals:
             reference = finals["plain"] - initial
@@ -513,6 +539,9 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
                 if sum(times)
                 else float("nan"),
                 step_times_s=tuple(times),
+                median_step_cpu_time_s=statistics.median(cpu),
+                cpu_time_ratio=statistics.median(cpu_ratios) if cpu_ratios else float("nan"),
+                step_cpu_times_s=tuple(cpu),
                 step_peaks_bytes=tuple(turns[name].step_peaks[skip:]),
                 first_step_peak_memory_bytes=(turns[name].step_peaks or [0])[0],
                 lm_head_rows_per_target=counter.head_rows / counter.targets if counter.targets else float("nan"),
@@ -545,16 +574,18 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     """
     header = (
         "| data | vocab | trainer | step time (median) | step time ratio vs stock (median of pairs) | total time ratio | "
+        "step CPU time (median) | CPU time ratio (median of pairs) | "
         "real tokens / s | computed / real tokens | LM-head rows per counted target | peak memory (first step "
         "included) | peak memory ratio | micro-batches / step | reductions / step | update diff vs GradAccTrainer |"
     )
-    lines = [header, "|" + " --- |" * 14]
+    lines = [header, "|" + " --- |" * 16]
     for r in rows:
         reductions = "n/a (1 process)" if r.reductions_per_step is None else f"{r.reductions_per_step:.2f}"
         diff = "-" if r.relative_update_difference is None else f"{r.relative_update_difference:.1e}"
         lines.append(
             f"| {r.dataset} | {r.vocab_size} | {_TRAINER_LABELS[r.trainer]} | {r.median_step_time_s * 1e3:.0f} ms | "
-            f"{r.step_time_ratio:.3f} | {r.total_time_ratio:.3f} | {r.real_tokens_per_s:,.0f} | "
+            f"{r.step_time_ratio:.3f} | {r.total_time_ratio:.3f} | {r.median_step_cpu_time_s * 1e3:.0f} ms | "
+            f"{r.cpu_time_ratio:.3f} | {r.real_tokens_per_s:,.0f} | "
             f"{r.computed_per_real_token:.3f} | {r.lm_head_rows_per_target:.2f} | "
             f"{r.peak_memory_bytes / 2**20:,.1f} MiB | {r.peak_memory_ratio:.3f} | {r.micro_batches_per_step:.1f} | {reductions} | {diff} |"
         )

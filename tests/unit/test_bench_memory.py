@@ -114,6 +114,15 @@ def test_bench_targets_are_ratios_of_one_run() -> None:
     slow = [*stock, _row("budget", "long_tailed", 32000, 0.22, 140)]  # 0.917x the time: not met
     assert targets.check(slow)[0][1] > 1.0
     assert targets.check(stock[:2] + [_row("budget", "long_tailed", 32000, 0.1, 1)]) == []  # stock rows missing
+    # --repeats: each repeat measured on its own rows (not the last row of a trainer for all), the median reported
+    repeats = [
+        dict(row, repeat=i, total_time_ratio=pack)
+        for i, pack in enumerate((1.20, 1.02, 1.00))
+        for row in (_row("pack", "equal", 96, 0, 10), _row("plain", "equal", 96, 1.0, 10))
+    ]
+    repeats = [r if r["trainer"] == "pack" else dict(r, total_time_ratio=1.0) for r in repeats]
+    (_, ratio, what), = targets.check(repeats)
+    assert ratio == pytest.approx(1.02) and "3 repeats: [1.000-1.200]" in what
 
 
 def test_gpu_script_runs_the_fused_rows_and_liger_only_where_it_can() -> None:

@@ -1,0 +1,111 @@
+"""`hf-gradacc bench --repeats N`: every ratio against the stock Trainer as its median and [min-max], and a note
+where the spread is wider than the difference from the stock Trainer the row reports.
+
+The step time and CPU time ratios pool the step pairs of every repeat (trainer's step ``s`` / stock step ``s`` of
+the same repeat); the total time ratio takes one value per repeat. A row whose spread is wider than its distance
+from 1.0 measured noise, not an overhead or a speed-up: more ``--steps`` or ``--repeats`` narrow it.
+
+Example:
+    ```python
+    from hf_gradacc.testing.benchmark import BenchSettings, run_benchmark
+    from hf_gradacc.testing.bench_summary import format_summary, summarize
+
+    repeats = [run_benchmark(BenchSettings(num_steps=3)) for _ in range(3)]
+    print(format_summary(summarize(repeats)))
+    ```
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .benchmark import _TRAINER_LABELS, BenchRow
+
+# (the BenchRow field of each step's time, the column's name); pair ratios against the stock row's same step
+_PAIRED = (("step_times_s", "step time ratio"), ("step_cpu_times_s", "CPU time ratio"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Spread:
+    """A ratio's median, smallest and largest value, and how many values it has."""
+
+    median: float
+    low: float
+    high: float
+    num_values: int
+
+    @property
+    def is_noise(self) -> bool:
+        """The spread is wider than the difference from the stock Trainer (1.0) that the median reports."""
+        return self.high - self.low > abs(self.median - 1.0)
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f} [{self.low:.3f}-{self.high:.3f}]"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SummaryRow:
+    """One trainer on one dataset and vocabulary, over every repeat."""
+
+    dataset: str
+    vocab_size: int
+    trainer: str
+    ratios: dict[str, Spread]
+
+
+def _spread(values: Sequence[float]) -> Spread:
+    return Spread(median=statistics.median(values), low=min(values), high=max(values), num_values=len(values))
+
+
+def summarize(repeats: Sequence[Sequence[BenchRow]]) -> list[SummaryRow]:
+    """Every (dataset, vocabulary, trainer) of ``repeats`` (each the rows of one :func:`run_benchmark`), its ratios
+    against the stock row of the same repeat as :class:`Spread`."""
+    keys = list(dict.fromkeys((r.dataset, r.vocab_size, r.trainer) for rows in repeats for r in rows))
+    summary = []
+    for dataset, vocab, trainer in keys:
+        values: dict[str, list[float]] = {name: [] for _, name in _PAIRED}
+        values["total time ratio"] = []
+        for rows in repeats:
+            by_trainer = {r.trainer: r for r in rows if (r.dataset, r.vocab_size) == (dataset, vocab)}
+            row, stock = by_trainer.get(trainer), by_trainer.get("stock")
+            if row is None or stock is None:
+                continue
+            for field, name in _PAIRED:
+                values[name] += [t / s for t, s in zip(getattr(row, field), getattr(stock, field)) if s > 0]
+            values["total time ratio"].append(row.total_time_ratio)
+        ratios = {name: _spread(v) for name, v in values.items() if v}
+        summary.append(SummaryRow(dataset=dataset, vocab_size=vocab, trainer=trainer, ratios=ratios))
+    return summary
+
+
+def format_summary(summary: Sequence[SummaryRow], num_repeats: int = 1) -> str:
+    """A markdown table of the ratios (median [min-max]) and, below it, a note for each ratio whose spread is wider
+    than the difference from the stock Trainer it reports."""
+    names = ["step time ratio", "CPU time ratio", "total time ratio"]
+    lines = [
+        f"ratios vs the stock Trainer, median [min-max] over {num_repeats} repeat(s) (step and CPU time: every timed "
+        "step pair of every repeat; total time: one value per repeat)",
+        "",
+        "| data | vocab | trainer | " + " | ".join(names) + " |",
+        "|" + " --- |" * (3 + len(names)),
+    ]
+    notes = []
+    for row in summary:
+        cells = [str(row.ratios[n]) if n in row.ratios else "-" for n in names]
+        lines.append(
+            f"| {row.dataset} | {row.vocab_size} | {_TRAINER_LABELS[row.trainer]} | " + " | ".join(cells) + " |"
+        )
+        if row.trainer == "stock":
+            continue
+        for name in names:
+            spread = row.ratios.get(name)
+            if spread is not None and spread.num_values > 1 and spread.is_noise:
+                notes.append(
+                    f"note: {row.dataset}, vocab {row.vocab_size}, {_TRAINER_LABELS[row.trainer]}: {name} {spread}: "
+                    f"the spread ({spread.high - spread.low:.3f}) is wider than the difference from the stock Trainer "
+                    f"it reports ({abs(spread.median - 1.0):.3f}): noise, not a measured difference; more --steps or "
+                    "--repeats (on a quieter machine) narrow it"
+                )
+    return "\n".join(lines + ([""] + notes if notes else []))
