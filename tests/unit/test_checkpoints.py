@@ -257,3 +257,21 @@ def test_on_a_node_local_disk_a_rank_needs_only_its_own_rng_state(saved, tmp_pat
     assert "rng_state_0.pth is missing" in checkpoint_problems(str(folder), world_size=2, rank=0)
     if not marked:  # the marker lists every rank's files of a shared disk; the stock check asks for every rank's
         assert checkpoint_problems(str(folder), world_size=2) == ["rng_state_0.pth is missing"]
+
+
+def test_another_ranks_record_is_overruled_by_rank_0s_or_refused_at_another_step(saved, monkeypatch, caplog) -> None:
+    """What each rank read from its own disk, gathered (faked here): a record that differs at the same step is named
+    in a warning and rank 0's decides; another step on rank 1 (its trainer_state.json) is a GradAccConfigError."""
+    out, _ = saved
+    folder = os.path.join(out, "checkpoint-1")
+    mine = ckpt._read_record(folder)
+    assert mine is not None
+    record, step = mine
+    other = {**record, ckpt.POSITION_KEY: {**record[ckpt.POSITION_KEY], "num_samples": 0}}
+    monkeypatch.setattr(ckpt, "_gathered", lambda value: [value, (other, step)])
+    with caplog.at_level(logging.WARNING):
+        assert ckpt._rank_zero_record(folder) == mine
+    assert f"rank 1's {ckpt.DATA_NAME} differs from rank 0's in ['position']" in caplog.text, caplog.text
+    monkeypatch.setattr(ckpt, "_gathered", lambda value: [value, (record, step + 1)])
+    with pytest.raises(GradAccConfigError, match=f"rank 0's folder holds step {step} and rank 1's step {step + 1}"):
+        ckpt._rank_zero_record(folder)
