@@ -44,6 +44,7 @@ def _sizes(config: Any) -> dict[str, int]:
         "dp_shard": int(getattr(config, "fsdp_size", None) or 1),
         "tp": int(getattr(config, "tp_size", None) or 1),
         "pp": int(getattr(config, "pp_size", None) or 1),
+        "ep": int(getattr(config, "ep_size", None) or 1),
     }
 
 
@@ -136,13 +137,15 @@ class TensorParallelBackend(FSDP2Backend):
 
     def kind(self) -> str:
         sizes = self._sizes or {}
-        parts = [f"TP {sizes.get('tp', 1)}"]
+        parts = [f"TP {sizes['tp']}"] if sizes.get("tp", 1) > 1 else []
+        if sizes.get("ep", 1) > 1:
+            parts.append(f"EP {sizes['ep']}")
         rep, shard = sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1)
         if rep > 1 and shard > 1:
             parts.append(f"HSDP {rep} x {shard}")
         elif rep * shard > 1:
             parts.append(f"FSDP {rep * shard}")
-        return " x ".join(parts)
+        return " x ".join(parts) or "transformers-sharded model"
 
     def describe(self) -> str:
         import torch.distributed as dist

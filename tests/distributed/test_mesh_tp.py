@@ -26,6 +26,7 @@ TASKS = ("causal_lm", "sequence_classification")
 CASES = [
     *({"name": f"{task}-gradacc", "task": task} for task in TASKS),
     *({"name": f"{task}-stock", "task": task, "trainer": "stock"} for task in TASKS),
+    {"name": "causal_lm-clipped", "task": "causal_lm", "max_grad_norm": 0.5},
 ]
 
 
@@ -61,3 +62,10 @@ def test_stock_trainer_beside_it(results):
     assert results["sequence_classification-stock"][0]["update"]["norm_ratio"] == pytest.approx(4.0, rel=1e-3)
 
 
+def test_clipping_scales_the_whole_tensor_parallel_gradient(results):
+    """max_grad_norm 0.5 (the gradient's norm is about 1.38): the update is the reference scaled to norm 0.5; the
+    logged grad_norm is the pre-clip norm, reduced over the whole (fsdp x tp) mesh."""
+    rank0 = results["causal_lm-clipped"][0]
+    assert rank0["reference_norm"] > 1.0
+    assert rank0["update"]["relative_error"] <= TOLERANCE, rank0["update"]
+    assert rank0["logged_grad_norm"] == pytest.approx(rank0["reference_norm"], rel=1e-5)

@@ -4,7 +4,7 @@
     python mesh_tp_cases.py --cases '[{"name": "a", "task": "causal_lm", "trainer": "gradacc"}]'
 
 Case keys: name, task ('causal_lm' | 'sequence_classification' | 'moe': a tiny Mixtral with its router term), trainer ('gradacc' | 'stock'), sizes (the
-DistributedConfig fields), mode ('trainer' | 'setup_error': report the error the trainer raises).
+DistributedConfig fields), max_grad_norm (clipping, from TrainingArguments), mode ('trainer' | 'setup_error': report the error the trainer raises).
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def run_case(case: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     model = auto.from_pretrained(paths[task], distributed_config=DistributedConfig(**sizes), dtype=torch.float32)
     samples = make_samples("causal_lm" if task == "moe" else task, 8, seed=11)  # 2 data ranks x 2 x GA 2: mixed lengths, masked prompts
     args = one_step_args(per_device_train_batch_size=PER_DEVICE_BATCH, gradient_accumulation_steps=GRAD_ACC,
-                         ddp_backend="gloo", output_dir=tempfile.mkdtemp(prefix="tp_"))  # fmt: skip
+                         ddp_backend="gloo", output_dir=tempfile.mkdtemp(prefix="tp_"),
+                         max_grad_norm=case.get("max_grad_norm", 0.0))  # fmt: skip
     if case.get("mode") == "setup_error":
         try:
             GradAccTrainer(model=model, args=args, train_dataset=ListDataset(samples), data_collator=PaddingCollator())
@@ -113,8 +114,11 @@ def run_case(case: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     result["num_unique_micro_batches"] = len(unique)
     reference = reference_gradients(plain, samples, "causal_lm" if task == "moe" else task, PaddingCollator(),
                                     micro_batches=list(unique.values()) if task == "moe" else None)
+    result["reference_norm"] = norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in reference.values())))
+    clip = case.get("max_grad_norm", 0.0)
+    if clip and clip < norm:  # clipping scales the whole gradient to max_grad_norm (torch's 1e-6 in the factor)
+        reference = {n: g * (clip / (norm + 1e-6)) for n, g in reference.items()}
     result["update"] = compare(update, reference).__dict__
-    result["reference_norm"] = float(torch.sqrt(sum(g.double().pow(2).sum() for g in reference.values())))
     if reader.grads:
         result["grad"] = compare(reader.grads, reference).__dict__
         result["grads_norm"] = reader.norm
