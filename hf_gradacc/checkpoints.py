@@ -14,6 +14,10 @@ Older checkpoints are rotated away (``save_total_limit``) only after the new one
 any point leaves the old checkpoint or a complete new one. :func:`checkpoint_problems` checks a folder against its
 marker (or, for a checkpoint saved without hf_gradacc, against what the resume reads) and reads the header of every
 file: the safetensors header, the zip directory of a ``torch.save`` file, the whole of a JSON file.
+
+On a distributed run every rank checks its own disk (node-local disks hold only the files their node wrote) and the
+ranks merge what they found, so that every rank resumes the same folder, at rank 0's data record (docs/reliability.md,
+"Checkpoints on node-local disks").
 """
 
 from __future__ import annotations
