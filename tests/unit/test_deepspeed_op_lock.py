@@ -87,6 +87,7 @@ def test_a_deepspeed_launch_with_a_stale_lock_fails_at_once_naming_it(extensions
     assert not list((tmp_path / "o").glob("logs*")), "no rank may start while the lock would make it wait"
 
 
+@pytest.mark.slow  # a 6 s stand-in build, or a 3 s wait for the holder to die
 def test_the_op_is_built_once_and_outside_the_launch_timeout(extensions_dir, tmp_path, monkeypatch):
     """The build (a 6 s stand-in) happens once per test process, before the launch's clock starts: a launch with a
     timeout shorter than the build still succeeds."""
@@ -104,6 +105,7 @@ def test_the_op_is_built_once_and_outside_the_launch_timeout(extensions_dir, tmp
     assert builds.read_text() == "built\n"  # once, not per launch
 
 
+@pytest.mark.slow  # a 6 s stand-in build, or a 3 s wait for the holder to die
 def test_a_build_waiting_on_a_lock_whose_holder_dies_stops_naming_the_lock(extensions_dir, tmp_path, monkeypatch):
     """Our one-off build waits for another process's build; that process is killed mid-build: the wait ends with
     the lock's name, not after the build's 30-minute limit."""
