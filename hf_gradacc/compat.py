@@ -300,6 +300,9 @@ def check_trainer_class(trainer_class: type) -> None:
 # `Trainer` methods a library may replace at class level on import (unsloth's gradient-accumulation fix replaces
 # `get_batch_samples`, `compute_loss`, `training_step` and `_inner_training_loop` on a GPU).
 PATCHABLE_TRAINER_METHODS = ("compute_loss", "get_batch_samples", "training_step", "_inner_training_loop")
+# Replacements known to compose with hf_gradacc's step, not warned: {method: the module that replaced it}. A framework
+# integration adds its framework's own (hf_gradacc/integrations/axolotl_core.py: AXOLOTL_TRAINER_PATCHES).
+RECOGNISED_TRAINER_PATCHES: dict[str, str] = {}
 
 
 def replaced_trainer_methods() -> dict[str, str]:
@@ -322,7 +325,7 @@ def warn_replaced_trainer_methods(trainer_class: type) -> None:
     ``get_batch_samples``, ``compute_loss`` and ``_run_epoch`` run instead of the patched ones, so the step stays
     exact; what can still reach a patched method is an override in the trainer's class calling ``super()`` past the
     mixin (``compute_loss`` in a `Trainer` subclass): warned, with the way out."""
-    replaced = replaced_trainer_methods()
+    replaced = {n: m for n, m in replaced_trainer_methods().items() if RECOGNISED_TRAINER_PATCHES.get(n) != m}
     if not replaced:
         return
     import logging

@@ -14,6 +14,7 @@ import torch
 from pydantic import BaseModel, Field, field_validator
 from transformers import Trainer
 
+from ..compat import RECOGNISED_TRAINER_PATCHES
 from ..config import GRADACC_FIELDS, GradAccArguments, resolve_settings, unknown_knobs_error
 from ..errors import GradAccConfigError
 from ..exact import make_exact
@@ -36,6 +37,24 @@ _STEP_WRAPPERS: dict[str, str | None] = {
     "axolotl.core.trainers.mixins.layer_offloading.LayerOffloadingMixin": "_layer_offload_ctx",
     "axolotl.core.trainers.mixins.activation_checkpointing.ActivationOffloadingMixin": "activation_offload_context",
     "axolotl.core.trainers.dpo.trainer.AxolotlDPOTrainer": None,  # gc.collect() and empty_cache() after each step
+}
+
+# axolotl 0.19's class-level replacements of `transformers.Trainer` methods ({method: the module that defines the
+# replacement}), which compose with hf_gradacc's step: hf_gradacc's construction check does not warn about them
+# (it still warns about any other replacement). Read from axolotl's source:
+# - `_get_learning_rate` (axolotl/monkeypatch/trainer/lr.py, applied by every trainer builder): the scheduler's last
+#   rate, 0 instead of an error while DeepSpeed's fp16 loss scaler skips the first steps; hf_gradacc's step reads it
+#   as it reads the stock one.
+# - `_maybe_log_save_evaluate` and `evaluation_loop` (axolotl/monkeypatch/transformers/trainer_loss_calc.py, always):
+#   transformers' own source, re-executed with the loss averaged over ranks by `nanmean` instead of `mean`: the same
+#   number while every rank's loss is finite, which hf_gradacc's `nonfinite_steps: skip` (the default) keeps so.
+# - `create_accelerator_and_postprocess` (axolotl/monkeypatch/trainer_accelerator_args.py, fp8 only): transformers'
+#   own source with fp8 keyword arguments for the accelerator.
+AXOLOTL_TRAINER_PATCHES: dict[str, str] = {
+    "_get_learning_rate": "axolotl.monkeypatch.trainer.lr",
+    "_maybe_log_save_evaluate": "axolotl.monkeypatch.transformers.trainer_loss_calc",
+    "evaluation_loop": "axolotl.monkeypatch.transformers.trainer_loss_calc",
+    "create_accelerator_and_postprocess": "axolotl.monkeypatch.trainer_accelerator_args",
 }
 
 
@@ -141,7 +160,9 @@ def make_exact_with_step_contexts(trainer: Trainer, knobs: Mapping[str, Any]) ->
 
     The wrappers are taken off (an intermediate class whose ``training_step`` is the first one below them), the
     instance made exact, and its contexts moved to ``training_step_context``, which hf_gradacc's step enters around
-    each micro-batch's forward and backward: the order axolotl nests them in, outermost first."""
+    each micro-batch's forward and backward: the order axolotl nests them in, outermost first. axolotl's own
+    class-level `Trainer` patches (:data:`AXOLOTL_TRAINER_PATCHES`) are recognised: no warning names them."""
+    RECOGNISED_TRAINER_PATCHES.update(AXOLOTL_TRAINER_PATCHES)  # axolotl's own patches: no warning at make_exact
     original = type(trainer)
     unwrapped, contexts = _without_step_wrappers(original)
     trainer.__class__ = unwrapped

@@ -16,8 +16,10 @@ collator wrapper and its class swap need no axolotl (:mod:`hf_gradacc.integratio
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
+import logging
 import os
 import random
 import re
@@ -30,6 +32,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from transformers import TrainingArguments
 
 from hf_gradacc import GradAccConfigError
 from hf_gradacc.integrations import axolotl_core
@@ -175,6 +178,7 @@ def test_causal_lm_accumulated_step_equals_the_full_batch_step(causal: dict[str,
     _every_parameter_changed(causal, "plugin_ga4")
     assert output.count(ACTIVE) == 1, output[-4000:]
     assert f"{ACTIVE} AxolotlTrainer (now GradAccAxolotlTrainer)" in output
+    assert "replaced these transformers.Trainer methods" not in output  # axolotl's own patches are recognised
 
 
 @pytest.mark.axolotl
@@ -328,3 +332,45 @@ def test_axolotl_step_wrappers_become_step_contexts() -> None:
     unwrapped, contexts = axolotl_core._without_step_wrappers(AxolotlTrainer)
     assert unwrapped.training_step is Trainer.training_step and issubclass(unwrapped, AxolotlTrainer)
     assert contexts == ["_layer_offload_ctx", "activation_offload_context"]
+
+
+def _replaced_by(module: str, original: Any) -> Any:
+    @functools.wraps(original)  # the same parameters, as axolotl's re-executed transformers source has
+    def replacement(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(self, *args, **kwargs)
+
+    replacement.__module__ = module
+    return replacement
+
+
+def _replacement_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "replaced these transformers.Trainer methods" in r.getMessage()]
+
+
+@pytest.mark.parametrize("unknown", [None, "compute_loss", "_get_learning_rate"])
+def test_axolotls_own_trainer_patches_are_not_warned_about_other_ones_are(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, unknown: str | None
+) -> None:
+    """axolotl replaces `Trainer._get_learning_rate` and `_maybe_log_save_evaluate` at class level on every run (the
+    functions' modules below are axolotl 0.19's): the plugin's class swap names no warning for them; a replacement
+    from any other module is still warned about, alone, also of a method axolotl patches too."""
+    from transformers import Trainer
+
+    from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+
+    for name, module in axolotl_core.AXOLOTL_TRAINER_PATCHES.items():
+        monkeypatch.setattr(Trainer, name, _replaced_by(module, getattr(Trainer, name)))
+    if unknown is not None:
+        monkeypatch.setattr(Trainer, unknown, _replaced_by("some_other_library.patches", getattr(Trainer, unknown)))
+    args = TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
+    trainer = Trainer(model=build_tiny_model("causal_lm"), args=args, data_collator=PaddingCollator(),
+                      train_dataset=ListDataset(make_samples("causal_lm", 4)))  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        axolotl_core.make_exact_with_step_contexts(trainer, axolotl_core.AXOLOTL_DEFAULTS)
+    warnings = _replacement_warnings(caplog)
+    if unknown is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith(
+            f"Trainer.{unknown} (now from some_other_library.patches): another library replaced"
+        ), warnings
