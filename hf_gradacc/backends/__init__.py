@@ -9,6 +9,7 @@ from ..errors import UnsupportedBackendError
 from .base import Backend
 from .ddp import DDPBackend
 from .mesh import Mesh, check_launched_world, mesh_from_accelerator
+from .sharded_model import check_context_parallel
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -97,6 +98,7 @@ def resolve_backend(
     }
     check_requested_backend(dist_type)
     _check_joined_world()
+    check_context_parallel(getattr(accelerator, "parallelism_config", None))
     if dist_type in ddp_types:
         if int(getattr(getattr(accelerator, "parallelism_config", None), "tp_size", 1) or 1) > 1:
             from .tensor_parallel import TensorParallelBackend  # a model sharded by transformers' DistributedConfig

@@ -1,7 +1,8 @@
-"""Models sharded at load time by transformers' ``DistributedConfig``: which of them GradAccTrainer refuses, by name.
+"""The meshes GradAccTrainer refuses, by name: models sharded at load time by transformers' ``DistributedConfig``
+with pipeline parallelism, and accelerate's context parallelism.
 
-Apart from :mod:`hf_gradacc.backends.tensor_parallel` so that every backend's ``check_model`` can ask it without an
-import cycle.
+Apart from :mod:`hf_gradacc.backends.tensor_parallel` so that every backend's ``check_model`` and ``resolve_backend``
+can ask it without an import cycle.
 """
 
 from __future__ import annotations
@@ -58,3 +59,27 @@ def check_model_sharding(model: torch.nn.Module | None) -> Any | None:
                 "`fsdp_size` / `dp_replicate_size` are supported)."
             )
     return config
+
+
+def check_context_parallel(parallelism_config: Any) -> None:
+    """Raise :class:`~hf_gradacc.UnsupportedBackendError` for accelerate's context parallelism (``cp_size`` > 1).
+
+    The stock Trainer shards each micro-batch's sequences inside its own ``training_step``
+    (``Trainer._prepare_context_parallel_inputs`` and accelerate's ``maybe_context_parallel``); GradAccTrainer's
+    ``training_step`` replaces that one and does not call them, so every context-parallel rank would compute whole
+    sequences: a run that "works", with none of the memory context parallelism is for. The count rule for it is
+    ready (:func:`hf_gradacc.counting.context_parallel_shard`, tested on simulated shards).
+
+    Example:
+        ```python
+        check_context_parallel(trainer.accelerator.parallelism_config)
+        ```
+    """
+    size = int(getattr(parallelism_config, "cp_size", None) or 1)
+    if size > 1:
+        raise UnsupportedBackendError(
+            f"`parallelism_config.cp_size` ({size}) is not supported by GradAccTrainer yet: its training_step does not "
+            "run the Trainer's context-parallel input sharding, so each rank would compute whole sequences (no "
+            "context parallelism at all). Set `parallelism_config_cp_size: 1` in the accelerate config (or "
+            "`ParallelismConfig(cp_size=1)`); for long sequences use `fused_lm_head` or packing meanwhile."
+        )

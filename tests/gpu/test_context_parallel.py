@@ -3,8 +3,9 @@
 torch 2.13 cannot shard attention on CPU ("aten._scaled_dot_product_flash_attention_for_cpu ... does not have a
 sharding strategy registered"), so on CPU the counting rule is tested on simulated shards
 (tests/unit/test_counting.py) and the whole run here: ``accelerate launch --config_file
-examples/accelerate_configs/cp_fsdp2.yaml`` (cp 2 x FSDP2), one SGD(lr=1) step of GradAccTrainer against the float64
-full batch (<= 1e-5; mixed lengths, masked prompts), the stock Trainer beside it. Skipped without 2 CUDA devices.
+examples/accelerate_configs/cp_fsdp2.yaml`` (cp 2 x FSDP2). GradAccTrainer refuses it by name today (its
+training_step does not shard the inputs: see hf_gradacc.backends.sharded_model.check_context_parallel); the stock
+Trainer's one SGD(lr=1) step against the float64 full batch is recorded. Skipped without 2 CUDA devices.
 """
 
 from __future__ import annotations
@@ -41,14 +42,16 @@ def _launch(trainer: str) -> dict:
     return json.loads((Path(out) / f"{trainer}.rank0.json").read_text())
 
 
-def test_context_parallel_step_is_the_full_batch_step():
+def test_gradacc_refuses_context_parallelism_by_name():
+    """GradAccTrainer's training_step does not run the Trainer's context-parallel input sharding yet: refused at
+    construction naming `cp_size` (it would otherwise compute whole sequences on every rank, silently). When it is
+    wired, this test becomes the exactness check (<= 1e-5) on the same launch."""
     result = _launch("gradacc")
-    assert result["cp_size"] == 2 and result["num_updated"] > 0
-    assert result["update"]["relative_error"] <= 1e-5, result
+    assert result["error_type"] == "UnsupportedBackendError" and "cp_size" in result["error"], result
 
 
-def test_stock_trainer_beside_it():
-    """Recorded, not a goal: the stock Trainer's number on the same run (for docs/benchmarks.md)."""
+def test_stock_trainer_on_context_parallelism():
+    """Recorded, not a goal: the stock Trainer's update on the same run against the float64 full batch."""
     result = _launch("stock")
-    assert result["cp_size"] == 2
+    assert result["cp_size"] == 2 and result["num_updated"] > 0
     print("stock context parallel:", result["update"])

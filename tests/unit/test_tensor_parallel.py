@@ -82,3 +82,17 @@ def test_the_cpu_patch_lifts_only_the_multi_cpu_refusal():
     assert not is_parallelism_on_cpu_enabled()
     assert ParallelismConfig._validate_accelerator is original
     disable_parallelism_on_cpu()  # idempotent
+
+
+def test_context_parallelism_is_refused_by_name_at_backend_resolution():
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    from hf_gradacc.backends import resolve_backend
+    from hf_gradacc.backends.sharded_model import check_context_parallel
+
+    check_context_parallel(None)
+    check_context_parallel(ParallelismConfig(dp_shard_size=2))
+    accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP, parallelism_config=ParallelismConfig(cp_size=2))
+    with pytest.raises(UnsupportedBackendError, match=r"cp_size` \(2\).*whole sequences"):
+        resolve_backend(accelerator, SimpleNamespace())
