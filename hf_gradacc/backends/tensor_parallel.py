@@ -11,9 +11,8 @@ dp_shard_size)`` and leaves the model unwrapped. What this backend changes again
 - the gradients are DTensors on a 2-D (data x tensor) or 1-D (tensor) mesh: norms, clipping and ``trainer.grads`` go
   through DTensor reductions, so a tensor-sharded weight is neither missed nor counted twice.
 
-Pipeline parallelism (``pp_size``) is refused by name (:func:`check_model_sharding`: the measured reason there).
-Expert parallelism (``ep_size``) is a second layout of the same ranks (the experts over ``fsdp`` x ``tp``): the counts
-are the data ranks' and the router term is each micro-batch's own, as without it (measured exact, fsdp 2 x ep 2).
+Pipeline parallelism (``pp_size``) and expert parallelism (``ep_size``) are refused by name
+(:func:`check_model_sharding`: the measured reasons there).
 """
 
 from __future__ import annotations

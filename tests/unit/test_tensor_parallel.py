@@ -46,9 +46,13 @@ def test_pipeline_parallelism_is_refused_by_name():
         check_model_sharding(model)
 
 
-def test_tensor_and_expert_parallel_models_pass_and_plain_models_are_not_sharded():
+def test_expert_parallelism_is_refused_by_name():
+    with pytest.raises(UnsupportedBackendError, match=r"ep_size=2.*parallelism_config"):
+        check_model_sharding(_sharded_model(fsdp_size=2, ep_size=2))
+
+
+def test_tensor_parallel_models_pass_and_plain_models_are_not_sharded():
     assert check_model_sharding(_sharded_model(tp_size=2, fsdp_size=2)).tp_size == 2
-    assert check_model_sharding(_sharded_model(fsdp_size=2, ep_size=2)).ep_size == 2
     plain = torch.nn.Linear(2, 2)
     assert distributed_config_of(plain) is None and check_model_sharding(plain) is None
 
