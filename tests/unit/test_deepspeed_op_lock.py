@@ -132,3 +132,23 @@ def test_a_build_waiting_on_a_lock_whose_holder_dies_stops_naming_the_lock(exten
         holder.wait()
     assert time.monotonic() - start < 60
     assert os.path.exists(path)  # named, never removed behind the user's back
+
+
+@pytest.mark.slow  # a launch that runs into its 8 s timeout
+def test_a_rank_killed_at_the_timeout_while_holding_the_lock_is_named_in_the_error(extensions_dir, tmp_path,
+                                                                                  monkeypatch):  # fmt: skip
+    """The incident: a rank stopped at the launcher's timeout while it held torch's build lock. The launch's error
+    names the lock it left, so the next launch is not the first to find out."""
+    from tests.distributed.launcher import WorkerError
+
+    monkeypatch.setattr(deepspeed_op, "BUILD_SCRIPT", "pass")  # the op is 'built'; rank 0 then takes the lock
+    path = lock_path()
+    path.parent.mkdir(parents=True)
+    worker = tmp_path / "holds_the_lock.py"
+    worker.write_text(
+        "import os, time\n"
+        f"if os.environ['RANK'] == '0':\n    fd = os.open({str(path)!r}, os.O_CREAT | os.O_EXCL)\n"
+        "time.sleep(600)\n"
+    )
+    with pytest.raises(WorkerError, match=f"(?s)timed out after 8s.*stale torch extensions build lock.*rm {path}"):
+        run_workers(worker, nproc=2, deepspeed=True, timeout=8, out_dir=tmp_path / "o")
