@@ -171,6 +171,7 @@ def test_hf_gradacc_warnings_follow_log_level_as_transformers_warnings_do(train_
     assert any("`average_tokens_across_devices=False` is ignored" in m for m in messages) is shown, messages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("logging_config", ["run_clm", "none"])
 def test_a_user_script_with_log_level_info_prints_the_line_once(tmp_path: Path, logging_config: str) -> None:
     """A fresh process, as users run it: run_clm.py's logging set-up (a root handler on stdout; the line goes there), or
