@@ -35,3 +35,11 @@ def test_only_integrations_import_the_frameworks() -> None:
 
 def test_the_integrations_package_imports_no_framework() -> None:
     assert not _imported(PACKAGE / "integrations" / "__init__.py")
+
+
+def test_the_axolotl_plugins_pure_parts_import_no_framework() -> None:
+    """The plugin's configuration checks, collator wrapper and class swap (integrations/axolotl_core.py) are tested
+    where axolotl is not installed (tests/integrations/test_axolotl.py): only integrations/axolotl.py imports it."""
+    imported = _imported(PACKAGE / "integrations" / "axolotl_core.py")
+    assert not sorted(n for n in imported if n.split(".")[0] in FRAMEWORKS), imported
+    assert "axolotl" in {n.split(".")[0] for n in _imported(PACKAGE / "integrations" / "axolotl.py")}
