@@ -27,6 +27,8 @@ CASES = [
     *({"name": f"{task}-gradacc", "task": task} for task in TASKS),
     *({"name": f"{task}-stock", "task": task, "trainer": "stock"} for task in TASKS),
     {"name": "causal_lm-clipped", "task": "causal_lm", "max_grad_norm": 0.5},
+    {"name": "causal_lm-hook", "task": "causal_lm", "hook": "zero_lm_head"},
+    {"name": "causal_lm-nan", "task": "causal_lm", "hook": "nan"},
 ]
 
 
@@ -69,3 +71,16 @@ def test_clipping_scales_the_whole_tensor_parallel_gradient(results):
     assert rank0["reference_norm"] > 1.0
     assert rank0["update"]["relative_error"] <= TOLERANCE, rank0["update"]
     assert rank0["logged_grad_norm"] == pytest.approx(rank0["reference_norm"], rel=1e-5)
+
+
+def test_accumulated_gradient_hook_writes_a_tensor_sharded_gradient_back(results):
+    """A hook that zeroes lm_head.weight's full gradient (a DTensor on the fsdp x tp mesh): the update is the
+    reference with that gradient zero, every other parameter exact."""
+    rank0 = results["causal_lm-hook"][0]
+    assert rank0["update"]["relative_error"] <= TOLERANCE, rank0["update"]
+    assert rank0["unchanged"] == ["lm_head.weight"]
+
+
+def test_nonfinite_gradient_skips_the_step_on_every_rank(results):
+    for rank in results["causal_lm-nan"]:
+        assert rank["num_nonfinite_skipped"] == 1 and rank["max_abs_update"] == 0.0, rank

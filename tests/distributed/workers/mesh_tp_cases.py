@@ -4,7 +4,8 @@
     python mesh_tp_cases.py --cases '[{"name": "a", "task": "causal_lm", "trainer": "gradacc"}]'
 
 Case keys: name, task ('causal_lm' | 'sequence_classification' | 'moe': a tiny Mixtral with its router term), trainer ('gradacc' | 'stock'), sizes (the
-DistributedConfig fields), max_grad_norm (clipping, from TrainingArguments), mode ('trainer' | 'setup_error': report the error the trainer raises).
+DistributedConfig fields), max_grad_norm (clipping, from TrainingArguments), hook ('zero_lm_head' | 'nan': an
+accumulated-gradient hook), mode ('trainer' | 'setup_error': report the error the trainer raises).
 """
 
 from __future__ import annotations
@@ -96,6 +97,13 @@ def run_case(case: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     trainer = trainer_class(model=model, args=args, train_dataset=ListDataset(samples), data_collator=recorder,
                             callbacks=callbacks)  # fmt: skip
     reader.trainer = trainer
+    hook = case.get("hook")
+    if hook == "zero_lm_head":  # a full-gradient hook on a tensor-sharded weight: written back shard by shard
+        trainer.register_accumulated_grad_hook(lambda name, grad: grad.zero_() if name == "lm_head.weight" else None)
+    elif hook == "nan":  # a non-finite gradient on every rank: the step is skipped everywhere (nonfinite_steps='skip')
+        trainer.register_accumulated_grad_hook(
+            lambda name, grad: grad.fill_(float("nan")) if name == "model.norm.weight" else None
+        )
     trainer.train()
     update = {n: initial[n] - full(p) for n, p in trainer.model.named_parameters()}
     micro_batches = recorder.all_ranks()
@@ -106,6 +114,7 @@ def run_case(case: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     }
     if trainer_class is GradAccTrainer:
         result["backend"] = trainer.backend.describe()
+        result["num_nonfinite_skipped"] = trainer.num_nonfinite_skipped
         result["dp_world_size"] = trainer.backend.dp_world_size
     plain = auto.from_pretrained(paths[task], dtype=torch.float32)
     # every micro-batch of the step once: the tensor ranks hold copies, so each data rank's batches appear twice
@@ -118,6 +127,9 @@ def run_case(case: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     clip = case.get("max_grad_norm", 0.0)
     if clip and clip < norm:  # clipping scales the whole gradient to max_grad_norm (torch's 1e-6 in the factor)
         reference = {n: g * (clip / (norm + 1e-6)) for n, g in reference.items()}
+    if hook == "zero_lm_head":
+        reference["lm_head.weight"] = torch.zeros_like(reference["lm_head.weight"])
+    result["max_abs_update"] = max(float(u.abs().max()) for u in update.values())
     result["update"] = compare(update, reference).__dict__
     if reader.grads:
         result["grad"] = compare(reader.grads, reference).__dict__
