@@ -438,7 +438,7 @@ CASES: list[Case] = [
     Case("gradacc_args_unknown", "`gradacc_args={'head_typ': ...}` (a typo)", "error",
          lambda: _trainer(args=one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=GA),
                           gradacc_args={"head_typ": "causal_lm"}),
-         "GradAccConfigError", ("unknown field", "head_typ")),
+         "GradAccConfigError", ("unknown field", "head_typ", "did you mean `head_type`?")),
     Case("knobs_twice", "a GradAccConfig AND `gradacc_args`", "error",
          lambda: _trainer(gradacc_args={"head_type": "causal_lm"}), "GradAccConfigError", ("given twice",)),
     Case("tokens_seen_unknown", "`include_num_input_tokens_seen='yes'`", "error",
