@@ -106,6 +106,13 @@ class TensorParallelBackend(FSDP2Backend):
                 "(or `tp_plan='auto'`); remove `tp_size` from the accelerate `parallelism_config` otherwise."
             )
         self._sizes = _sizes(config)
+        if getattr(self.settings, "fused_lm_head", False) and self._sizes["tp"] > 1:
+            raise UnsupportedBackendError(
+                f"`fused_lm_head=True` is not supported under tensor parallelism (`tp_size` {self._sizes['tp']}): the "
+                "head's tiles would need their sums and log-sum-exps reduced across the tensor ranks of a "
+                "vocabulary-sharded `lm_head`, which the fused head does not do. Set `fused_lm_head=False` (the "
+                "model's own head then runs, tensor-parallel)."
+            )
         self._build_group()
 
     def _build_group(self) -> None:

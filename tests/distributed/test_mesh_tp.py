@@ -29,6 +29,7 @@ CASES = [
     {"name": "causal_lm-clipped", "task": "causal_lm", "max_grad_norm": 0.5},
     {"name": "causal_lm-hook", "task": "causal_lm", "hook": "zero_lm_head"},
     {"name": "causal_lm-nan", "task": "causal_lm", "hook": "nan"},
+    {"name": "fused-refused", "task": "causal_lm", "settings": {"fused_lm_head": True}, "mode": "setup_error"},
 ]
 
 
@@ -84,3 +85,9 @@ def test_accumulated_gradient_hook_writes_a_tensor_sharded_gradient_back(results
 def test_nonfinite_gradient_skips_the_step_on_every_rank(results):
     for rank in results["causal_lm-nan"]:
         assert rank["num_nonfinite_skipped"] == 1 and rank["max_abs_update"] == 0.0, rank
+
+
+
+def test_fused_lm_head_is_refused_by_name_under_tensor_parallelism(results):
+    for rank in results["fused-refused"]:
+        assert rank["error_type"] == "UnsupportedBackendError" and "fused_lm_head" in rank["error"], rank

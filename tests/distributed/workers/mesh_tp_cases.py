@@ -5,7 +5,7 @@
 
 Case keys: name, task ('causal_lm' | 'sequence_classification' | 'moe': a tiny Mixtral with its router term), trainer ('gradacc' | 'stock'), sizes (the
 DistributedConfig fields), max_grad_norm (clipping, from TrainingArguments), hook ('zero_lm_head' | 'nan': an
-accumulated-gradient hook), mode ('trainer' | 'setup_error': report the error the trainer raises).
+accumulated-gradient hook), settings (GradAccConfig fields), mode ('trainer' | 'setup_error': report the error the trainer raises).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Trainer, TrainerCallback
 
-from hf_gradacc import GradAccTrainer
+from hf_gradacc import GradAccConfig, GradAccTrainer
 from hf_gradacc.patches.parallelism_cpu import enable_parallelism_on_cpu
 from hf_gradacc.testing.one_step import _Recorder, one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients
@@ -82,7 +82,8 @@ def run_case(case: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     samples = make_samples("causal_lm" if task == "moe" else task, 8, seed=11)  # 2 data ranks x 2 x GA 2: mixed lengths, masked prompts
     args = one_step_args(per_device_train_batch_size=PER_DEVICE_BATCH, gradient_accumulation_steps=GRAD_ACC,
                          ddp_backend="gloo", output_dir=tempfile.mkdtemp(prefix="tp_"),
-                         max_grad_norm=case.get("max_grad_norm", 0.0))  # fmt: skip
+                         max_grad_norm=case.get("max_grad_norm", 0.0), args_class=GradAccConfig,
+                         **case.get("settings", {}))  # fmt: skip
     if case.get("mode") == "setup_error":
         try:
             GradAccTrainer(model=model, args=args, train_dataset=ListDataset(samples), data_collator=PaddingCollator())
