@@ -22,7 +22,12 @@ from hf_gradacc.window import MicroBatchCounts, gather_window_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 EXACT = 1e-5
-ESTIMATE_TOLERANCE = 0.20
+# The estimate's sampling spread over 150 steps, measured over 12 seeds of each problem below by
+# `python benchmarks/noise_scale_spread.py --seeds 12` (one process): the estimate over the run is unbiased with a
+# standard deviation of 1.4-3.0 % (largest error 6.4 %), the smoothed `gns` 2.6-7.6 % (largest 15.6 %). A bound of
+# about three standard deviations each; a 10 % bias in the run's estimate is outside it.
+RUN_TOLERANCE = 0.10
+SMOOTHED_TOLERANCE = 0.20
 
 
 def _args(tmp_path, *, steps: int, bs: int = 4, ga: int = 4, **overrides) -> GradAccConfig:
@@ -164,15 +169,15 @@ def test_unequal_micro_batches_use_the_first_micro_batch_size(tmp_path):
 
 
 @pytest.mark.parametrize(("noise_scale", "bs", "ga"), [(16.0, 4, 4), (6.0, 2, 8), (48.0, 8, 8)])
-def test_the_estimate_is_within_20_percent_of_the_known_noise_scale(tmp_path, noise_scale, bs, ga):
+def test_the_estimate_is_within_its_measured_spread_of_the_known_noise_scale(tmp_path, noise_scale, bs, ga):
     problem = NoiseProblem.with_noise_scale(noise_scale)
     trainer, callback = _train(tmp_path, problem, steps=150, bs=bs, ga=ga)
     truth = problem.noise_scale
     assert truth == pytest.approx(noise_scale)
     assert callback.num_estimates == 150 and callback.disabled_reason is None
     where = f"run {_run_estimate(callback):.3f}, smoothed {callback.noise_scale:.3f}, truth {truth}"
-    assert abs(_run_estimate(callback) / truth - 1) <= ESTIMATE_TOLERANCE, where
-    assert abs(callback.noise_scale / truth - 1) <= ESTIMATE_TOLERANCE, where
+    assert abs(_run_estimate(callback) / truth - 1) <= RUN_TOLERANCE, where
+    assert abs(callback.noise_scale / truth - 1) <= SMOOTHED_TOLERANCE, where
     logged = [h for h in trainer.state.log_history if "gns" in h]
     assert len(logged) == 15
     assert logged[-1]["gns"] == pytest.approx(callback.noise_scale, rel=1e-12)
@@ -268,7 +273,7 @@ def test_deepspeed_zero2_refuses_what_it_cannot_slice():
 
 
 # ---------------------------------------------------------------------------------------------- the example
-def test_the_example_prints_an_estimate_within_20_percent_of_the_truth(tmp_path):
+def test_the_example_prints_an_estimate_within_its_measured_spread_of_the_truth(tmp_path):
     spec = importlib.util.spec_from_file_location("noise_scale_example", ROOT / "examples" / "noise_scale.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
@@ -278,7 +283,7 @@ def test_the_example_prints_an_estimate_within_20_percent_of_the_truth(tmp_path)
     assert summary["steps"] == 150 and summary["batch_size"] == 16
     truth = summary["true_noise_scale"]
     assert truth == 16.0
-    assert abs(summary["gns"] / truth - 1) <= ESTIMATE_TOLERANCE, summary
-    assert abs(summary["run_noise_scale"] / truth - 1) <= ESTIMATE_TOLERANCE, summary
-    assert abs(summary["gns/grad_sq"] / summary["true_grad_sq"] - 1) <= ESTIMATE_TOLERANCE, summary
-    assert abs(summary["gns/trace"] / summary["true_trace"] - 1) <= ESTIMATE_TOLERANCE, summary
+    assert abs(summary["gns"] / truth - 1) <= SMOOTHED_TOLERANCE, summary
+    assert abs(summary["run_noise_scale"] / truth - 1) <= RUN_TOLERANCE, summary
+    assert abs(summary["gns/grad_sq"] / summary["true_grad_sq"] - 1) <= SMOOTHED_TOLERANCE, summary
+    assert abs(summary["gns/trace"] / summary["true_trace"] - 1) <= SMOOTHED_TOLERANCE, summary
