@@ -460,14 +460,20 @@ def test_a_final_logits_bias_is_refused() -> None:
     assert "final_logits_bias" in fused_head.fused_support_problem(model, "seq2seq")
 
 
-@pytest.mark.parametrize(("task", "fused"), [("causal_lm", True), ("causal_lm", False), ("seq2seq", True), ("seq2seq", False)])
+@pytest.mark.parametrize(
+    ("task", "fused"),
+    [("causal_lm", True), ("causal_lm", False), ("seq2seq", True), ("seq2seq", False), ("sequence_classification", False)],
+)
 def test_any_ignore_index_is_exact_and_checked_at_start(task: str, fused: bool, caplog: pytest.LogCaptureFixture) -> None:
     """`ignore_index=-1` (labels and padding -1, about half the labels ignored): exact against the float64 reference
     with and without the fused head, and the start-up loss check runs (the model is handed its own -100, not -1,
     which it would take as a target: an IndexError with the fused head, a skipped check without it)."""
     samples = make_samples(task, 8, seed=3)
-    for sample in samples:
-        sample["labels"] = [-1 if label == -100 else label for label in sample["labels"]]
+    for i, sample in enumerate(samples):
+        if task == "sequence_classification":  # one label per row: every third row ignored
+            sample["labels"] = -1 if i % 3 == 0 else sample["labels"]
+        else:
+            sample["labels"] = [-1 if label == -100 else label for label in sample["labels"]]
     collate = PaddingCollator(ignore_index=-1)
     model = build_tiny_model(task) if task != "causal_lm" else _model("llama")
     tf.utils.logging.enable_propagation()
