@@ -6,7 +6,8 @@ GradAccTrainer is exact on causal LM and Llama sequence classification (relative
 full batch over the 8 samples of the 2 data ranks; mixed lengths, masked prompts), through the update, ``trainer.grads``
 (DTensor gradients) and the logged ``grad_norm``; the count is summed over the data group only and the loss scaled by
 the data-parallel size 2, not the world size 4. The stock Trainer is shown beside it. One launch of 4 ranks for every
-case (about a minute on 2 busy cores). Pipeline parallelism is refused by name: tests/unit/test_tensor_parallel.py.
+case (about a minute on 2 busy cores), plus TP 2 alone on 2 ranks. Pipeline and expert parallelism are refused by
+name: tests/unit/test_tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -91,3 +92,27 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank(results):
 def test_fused_lm_head_is_refused_by_name_under_tensor_parallelism(results):
     for rank in results["fused-refused"]:
         assert rank["error_type"] == "UnsupportedBackendError" and "fused_lm_head" in rank["error"], rank
+
+
+TP_ONLY_CASES = [
+    {"name": f"{task}-tp-only", "task": task, "sizes": {"tp_size": 2}} for task in TASKS
+]
+
+
+@pytest.fixture(scope="module")
+def tp_only_results() -> dict[str, list[dict]]:
+    launch = run_workers(WORKER, nproc=2, args=["--cases", json.dumps(TP_ONLY_CASES)], timeout=600)
+    return {case["name"]: launch.load(case["name"]) for case in TP_ONLY_CASES}
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_tensor_parallel_alone_is_the_full_batch_step(tp_only_results, task):
+    """TP 2 on 2 ranks (no FSDP): both ranks hold the same samples, nothing is counted twice, the loss is not scaled."""
+    ranks = tp_only_results[f"{task}-tp-only"]
+    rank0 = ranks[0]
+    assert rank0["backend"] == "TP 2, 2 processes, gloo" and rank0["dp_world_size"] == 1
+    assert ranks[0]["first_ids"] == ranks[1]["first_ids"]
+    for what in ("update", "grad"):
+        assert rank0[what]["relative_error"] <= TOLERANCE, (what, rank0[what])
+    assert rank0["unchanged"] == []
+    assert rank0["logged_grad_norm"] == pytest.approx(rank0["reference_norm"], rel=1e-5)

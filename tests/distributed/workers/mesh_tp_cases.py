@@ -79,7 +79,9 @@ def run_case(case: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     auto = AutoModelForSequenceClassification if task == "sequence_classification" else AutoModelForCausalLM
     sizes = case.get("sizes", {"tp_size": 2, "fsdp_size": 2})
     model = auto.from_pretrained(paths[task], distributed_config=DistributedConfig(**sizes), dtype=torch.float32)
-    samples = make_samples("causal_lm" if task == "moe" else task, 8, seed=11)  # 2 data ranks x 2 x GA 2: mixed lengths, masked prompts
+    data_ranks = int(sizes.get("fsdp_size", 1)) * int(sizes.get("dp_replicate_size", 1))
+    # one window: data ranks x 2 x GA 2 samples; mixed lengths, masked prompts
+    samples = make_samples("causal_lm" if task == "moe" else task, data_ranks * PER_DEVICE_BATCH * GRAD_ACC, seed=11)
     args = one_step_args(per_device_train_batch_size=PER_DEVICE_BATCH, gradient_accumulation_steps=GRAD_ACC,
                          ddp_backend="gloo", output_dir=tempfile.mkdtemp(prefix="tp_"),
                          max_grad_norm=case.get("max_grad_norm", 0.0), args_class=GradAccConfig,
