@@ -62,8 +62,9 @@ def check_model_sharding(model: torch.nn.Module | None) -> Any | None:
         if size > 1:
             raise UnsupportedBackendError(
                 f"`DistributedConfig({field_name}={size})` is not supported by GradAccTrainer: {why}. Load the model "
-                f"with `{field_name}=1` (tensor parallelism `tp_size`, expert parallelism `ep_size` and FSDP2 "
-                "`fsdp_size` / `dp_replicate_size` are supported)."
+                f"with `{field_name}=1`: what GradAccTrainer trains from a `DistributedConfig` is tensor parallelism "
+                "(`tp_size`, alone or with `fsdp_size`); for FSDP2 / HSDP without tensor parallelism use accelerate's "
+                "`parallelism_config` (docs/backends.md)."
             )
     return config
 
