@@ -9,7 +9,8 @@ DeepSpeed through ``accelerate launch --config_file examples/accelerate_configs/
 - the two squared norms the callback reads, as MEAN gradients, against float64 references over the same samples
   (relative error <= 1e-5): the first micro-batch (this rank's, or both ranks' where the backend reduces every
   micro-batch: the small batch is then 8 samples, not 4) and the step (32 samples);
-- the estimate over the run (mean tr(S) / mean |G|^2) and the smoothed ``gns`` within 20 % of the truth;
+- the estimate over the run (mean tr(S) / mean |G|^2) within 10 % of the truth, the smoothed ``gns`` within 20 %
+  (the bands of tests/unit/test_noise_scale.py, from the spread over 12 seeds in docs/callbacks.md);
 - both ranks log the same values.
 """
 
@@ -31,7 +32,8 @@ WORKER = Path(__file__).resolve().parent / "workers" / "noise_scale_cases.py"
 CONFIGS = REPO / "examples" / "accelerate_configs"
 NPROC, STEPS, LOGGING_STEPS = 2, 120, 10  # noise_scale_cases.STEPS / logging_steps
 EXACT = 1e-5
-ESTIMATE_TOLERANCE = 0.20
+ESTIMATE_TOLERANCE = 0.20  # the smoothed per-step gns and the two components (docs/callbacks.md: gns up to 16 %)
+RUN_ESTIMATE_TOLERANCE = 0.10  # the estimate over the run; tests/unit/test_noise_scale.py's band (measured <= 6.4 %)
 LAUNCH_TIMEOUT_S = 420.0
 
 # (launch, case, whether the small batch is reduced over ranks)
@@ -122,7 +124,7 @@ def test_the_estimate_is_within_20_percent_of_the_known_noise_scale(launch, name
             f"{name}, rank {r}: run {payload['run_estimate']:.3f}, ema {payload['ema_noise_scale']:.3f}, truth {truth}"
         )
         assert payload["num_estimates"] == STEPS, where
-        assert abs(payload["run_estimate"] / truth - 1) <= ESTIMATE_TOLERANCE, where
+        assert abs(payload["run_estimate"] / truth - 1) <= RUN_ESTIMATE_TOLERANCE, where
         assert abs(payload["ema_noise_scale"] / truth - 1) <= ESTIMATE_TOLERANCE, where
         # the components too: |G|^2 and tr(S) are each unbiased
         assert abs(payload["mean_grad_sq"] / payload["truth"]["grad_sq"] - 1) <= ESTIMATE_TOLERANCE, where
