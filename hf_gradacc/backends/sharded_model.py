@@ -1,5 +1,5 @@
 """The meshes GradAccTrainer refuses, by name: models sharded at load time by transformers' ``DistributedConfig``
-with pipeline parallelism, and accelerate's context parallelism.
+with pipeline or expert parallelism, and accelerate's context and sequence parallelism.
 
 Apart from :mod:`hf_gradacc.backends.tensor_parallel` so that every backend's ``check_model`` and ``resolve_backend``
 can ask it without an import cycle.
@@ -70,7 +70,8 @@ def check_model_sharding(model: torch.nn.Module | None) -> Any | None:
 
 
 def check_context_parallel(parallelism_config: Any) -> None:
-    """Raise :class:`~hf_gradacc.UnsupportedBackendError` for accelerate's context parallelism (``cp_size`` > 1).
+    """Raise :class:`~hf_gradacc.UnsupportedBackendError` for accelerate's context parallelism (``cp_size`` > 1) and
+    DeepSpeed-Ulysses sequence parallelism (``sp_size`` > 1).
 
     The stock Trainer shards each micro-batch's sequences inside its own ``training_step``
     (``Trainer._prepare_context_parallel_inputs`` and accelerate's ``maybe_context_parallel``); GradAccTrainer's
@@ -83,6 +84,19 @@ def check_context_parallel(parallelism_config: Any) -> None:
         check_context_parallel(trainer.accelerator.parallelism_config)
         ```
     """
+    sp_size = int(getattr(parallelism_config, "sp_size", None) or 1)
+    if sp_size > 1:
+        # The Trainer routes a DeepSpeed-Ulysses step through its own `deepspeed_sp_compute_loss` (a loss gathered
+        # over the sequence group) and wraps the dataloader in accelerate's Ulysses adapter; GradAccTrainer's
+        # compute_loss replaces that path, and its count over a sequence group is not tested yet.
+        raise UnsupportedBackendError(
+            f"`parallelism_config.sp_size` ({sp_size}, sequence parallelism with `sp_backend="
+            f"{getattr(parallelism_config, 'sp_backend', None)!r}`) is not supported by GradAccTrainer yet: the "
+            "Trainer computes a sequence-parallel loss in its own `compute_loss` (`deepspeed_sp_compute_loss`), which "
+            "GradAccTrainer's replaces, and the count over the sequence group is not shown exact. Set "
+            "`parallelism_config_sp_size: 1` in the accelerate config (or `ParallelismConfig(sp_size=1)`); for long "
+            "sequences use `fused_lm_head` or packing meanwhile."
+        )
     size = int(getattr(parallelism_config, "cp_size", None) or 1)
     if size > 1:
         raise UnsupportedBackendError(

@@ -100,3 +100,15 @@ def test_context_parallelism_is_refused_by_name_at_backend_resolution():
     accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP, parallelism_config=ParallelismConfig(cp_size=2))
     with pytest.raises(UnsupportedBackendError, match=r"cp_size` \(2\).*whole sequences"):
         resolve_backend(accelerator, SimpleNamespace())
+
+
+def test_sequence_parallelism_is_refused_by_name_at_backend_resolution():
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    from hf_gradacc.backends import resolve_backend
+
+    config = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, parallelism_config=config)
+    with pytest.raises(UnsupportedBackendError, match=r"sp_size` \(2, sequence parallelism.*'deepspeed'.*sp_size: 1"):
+        resolve_backend(accelerator, SimpleNamespace())
