@@ -105,11 +105,8 @@ def check_launched_world(joined_world_size: int, env: Mapping[str, str] | None =
     """
     world = LaunchedWorld.from_env(env)
     if world.launcher == "none":
-        if joined_world_size != 1:
-            raise GradAccDistributedError(
-                f"This process joined a world of {joined_world_size} ranks but its launcher set no `WORLD_SIZE`: "
-                "launch with torchrun or `accelerate launch` so that every rank knows the world it belongs to."
-            )
+        # No launcher variable to compare with: a process group the user set up (mp.spawn with a tcp:// init method,
+        # MPI, a notebook) is theirs to size.
         return world
     if world.from_accelerate_multinode_deepspeed and world.num_nodes == 1:
         raise GradAccConfigError(
