@@ -131,6 +131,7 @@ class GradAccMixin:
             or self._custom_training_step
             or settings.auto_micro_batch
             or settings.defer_normalization,
+            model=self.model,
         )
         self.backend.check_model(self.model)
         if settings.fused_lm_head:

@@ -9,7 +9,7 @@ from ..errors import UnsupportedBackendError
 from .base import Backend
 from .ddp import DDPBackend
 from .mesh import Mesh, check_launched_world, mesh_from_accelerator
-from .sharded_model import check_context_parallel
+from .sharded_model import check_context_parallel, uses_expert_parallelism
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -28,6 +28,7 @@ SUPPORTED_BACKENDS = (
     "DeepSpeed ZeRO-1/2/3",
     "FSDP2",
     "tensor parallel (transformers DistributedConfig tp_size, alone or x FSDP2)",
+    "expert parallel (transformers DistributedConfig ep_size equal to fsdp_size or tp_size)",
 )
 
 
@@ -77,8 +78,11 @@ def resolve_backend(
     settings: GradAccSettings | None = None,
     *,
     multi_backward: bool = False,
+    model: Any = None,
 ) -> Backend:
-    """The backend for ``accelerator``'s distributed type, or an error listing the supported ones.
+    """The backend for ``accelerator``'s distributed type, or an error listing the supported ones. ``model``: a model
+    sharded at load time with expert parallelism (``DistributedConfig(ep_size > 1)``) goes to the tensor-parallel
+    backend even where accelerate sees no mesh (``tp_size`` 1 gives it no ``parallelism_config``).
 
     Example:
         ```python
@@ -100,7 +104,8 @@ def resolve_backend(
     _check_joined_world()
     check_context_parallel(getattr(accelerator, "parallelism_config", None))
     if dist_type in ddp_types:
-        if int(getattr(getattr(accelerator, "parallelism_config", None), "tp_size", 1) or 1) > 1:
+        tp_size = int(getattr(getattr(accelerator, "parallelism_config", None), "tp_size", 1) or 1)
+        if tp_size > 1 or uses_expert_parallelism(model):
             from .tensor_parallel import TensorParallelBackend  # a model sharded by transformers' DistributedConfig
 
             return TensorParallelBackend(accelerator, args, settings, multi_backward=multi_backward)

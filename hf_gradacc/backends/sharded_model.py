@@ -1,5 +1,6 @@
 """The meshes GradAccTrainer refuses, by name: models sharded at load time by transformers' ``DistributedConfig``
-with pipeline or expert parallelism, and accelerate's context and sequence parallelism.
+with pipeline parallelism or an expert-parallel layout not shown exact, and accelerate's context and sequence
+parallelism.
 
 Apart from :mod:`hf_gradacc.backends.tensor_parallel` so that every backend's ``check_model`` and ``resolve_backend``
 can ask it without an import cycle.
@@ -22,13 +23,6 @@ _REFUSED = {
         "each pipeline stage holds different layers, so the broadcasts do not match and the ranks abort (measured on "
         "2 CPU ranks); there is no pipeline schedule in the Trainer's step either"
     ),
-    "ep_size": (
-        "with `tp_size` 1 the transformers Trainer hands accelerate no `parallelism_config`, so the FSDP2 mesh the "
-        "experts live on is invisible to the backend that accelerate selects (plain DDP); with `tp_size` > 1 it is "
-        "not measured. Measured on 2 CPU ranks (fsdp 2 x ep 2, a tiny Mixtral, router term included) before this "
-        "refusal: 3.7e-07 from the float64 full batch, the stock Trainer 4.1e-03; routing it to the tensor-parallel "
-        "backend needs the model when the backend is chosen"
-    ),
 }
 
 
@@ -44,9 +38,64 @@ def distributed_config_of(model: torch.nn.Module | None) -> Any | None:
     return getattr(getattr(base, "config", None), "distributed_config", None)
 
 
+# Expert parallelism shown exact (tests/distributed/test_mesh_ep.py, 2 CPU ranks, a tiny Mixtral and Qwen3-MoE with
+# their router term): every expert whole on one rank (`efsdp_size` 1), the expert group either the FSDP2 data ranks
+# (`fsdp_size == ep_size`, `tp_size` 1: tokens cross ranks all-to-all, FSDP2 divides the experts' gradients by the
+# data size) or the tensor ranks (`tp_size == ep_size`, `fsdp_size` 1: one batch shared by the expert group).
+# hf_gradacc counts over the data group only and weights each micro-batch's router term by its routed tokens.
+_EP_SHOWN = (
+    "expert parallelism is shown exact with GradAccTrainer as `DistributedConfig(fsdp_size=N, ep_size=N)` or "
+    "`DistributedConfig(tp_size=N, ep_size=N)` (no HSDP; measured on 2 CPU ranks, a tiny Mixtral and Qwen3-MoE with "
+    "their router term: <= 3.7e-07 from the float64 full batch, the stock Trainer 3.6e-03 to 1.5e-02)"
+)
+
+
+def check_expert_parallel(config: Any) -> None:
+    """Raise :class:`~hf_gradacc.UnsupportedBackendError` for an expert-parallel ``DistributedConfig`` outside the
+    meshes shown exact: ``ep_size`` > 1 needs ``fsdp_size == ep_size`` with ``tp_size`` 1, or ``tp_size == ep_size``
+    with ``fsdp_size`` 1, and ``dp_replicate_size`` 1.
+
+    Example:
+        ```python
+        check_expert_parallel(DistributedConfig(fsdp_size=2, ep_size=2))   # passes (2 ranks)
+        check_expert_parallel(DistributedConfig(tp_size=2, ep_size=2))     # passes (2 ranks)
+        ```
+    """
+    ep = int(getattr(config, "ep_size", None) or 1)
+    if ep <= 1:
+        return
+    tp = int(getattr(config, "tp_size", None) or 1)
+    fsdp = int(getattr(config, "fsdp_size", None) or 1)
+    rep = int(getattr(config, "dp_replicate_size", None) or 1)
+    if rep > 1:
+        why = f"with `dp_replicate_size` {rep} (HSDP) the experts' all-reduce across replicas is not measured"
+    elif fsdp * tp != ep:
+        why = (
+            f"each expert is FSDP-sharded over `fsdp_size` x `tp_size` / `ep_size` = {fsdp * tp // ep} ranks (a summed "
+            "reduce-scatter divided locally, which transformers sets up for gloo): not measured"
+        )
+    elif tp > 1 and fsdp > 1:
+        why = f"an expert group that spans both the data ranks (`fsdp_size` {fsdp}) and the tensor ranks is not measured"
+    else:
+        return
+    raise UnsupportedBackendError(
+        f"`DistributedConfig(ep_size={ep})` with `tp_size={tp}`, `fsdp_size={fsdp}`, `dp_replicate_size={rep}` is not "
+        f"supported by GradAccTrainer: {why}. {_EP_SHOWN}. Load the model with `ep_size=1`, or lay the experts out as "
+        "one of those."
+    )
+
+
+def uses_expert_parallelism(model: torch.nn.Module | None) -> bool:
+    """True for a model sharded at load time with ``DistributedConfig(ep_size > 1)``: it goes to the
+    tensor-parallel backend (accelerate sees no mesh when ``tp_size`` is 1)."""
+    config = distributed_config_of(model)
+    return config is not None and int(getattr(config, "ep_size", None) or 1) > 1
+
+
 def check_model_sharding(model: torch.nn.Module | None) -> Any | None:
     """Raise :class:`~hf_gradacc.UnsupportedBackendError` naming the field for a model sharded at load time with a
-    parallelism GradAccTrainer does not train (``pp_size`` > 1); return its ``DistributedConfig``
+    parallelism GradAccTrainer does not train (``pp_size`` > 1; ``ep_size`` > 1 outside
+    :func:`check_expert_parallel`'s layouts); return its ``DistributedConfig``
     (None for a model not sharded by transformers).
 
     Example:
@@ -63,9 +112,11 @@ def check_model_sharding(model: torch.nn.Module | None) -> Any | None:
             raise UnsupportedBackendError(
                 f"`DistributedConfig({field_name}={size})` is not supported by GradAccTrainer: {why}. Load the model "
                 f"with `{field_name}=1`: what GradAccTrainer trains from a `DistributedConfig` is tensor parallelism "
-                "(`tp_size`, alone or with `fsdp_size`); for FSDP2 / HSDP without tensor parallelism use accelerate's "
+                "(`tp_size`, alone or with `fsdp_size`) and expert parallelism (`ep_size` equal to `fsdp_size` or "
+                "`tp_size`); for FSDP2 / HSDP without tensor parallelism use accelerate's "
                 "`parallelism_config` (docs/backends.md)."
             )
+    check_expert_parallel(config)
     return config
 
 

@@ -11,8 +11,12 @@ dp_shard_size)`` and leaves the model unwrapped. What this backend changes again
 - the gradients are DTensors on a 2-D (data x tensor) or 1-D (tensor) mesh: norms, clipping and ``trainer.grads`` go
   through DTensor reductions, so a tensor-sharded weight is neither missed nor counted twice.
 
-Pipeline parallelism (``pp_size``) and expert parallelism (``ep_size``) are refused by name
-(:func:`check_model_sharding`: the measured reasons there).
+Expert parallelism (``ep_size`` > 1) runs here too, also with ``tp_size`` 1, where the Trainer gives accelerate no
+``parallelism_config`` (``resolve_backend`` sees the model's ``DistributedConfig``): the experts are a second layout
+of the same ranks, so the data group, the loss scale and the DTensor norms are the ones above; each micro-batch's
+router term is weighted by its routed tokens over that group. Shown exact for ``ep_size == fsdp_size`` (``tp_size``
+1) and ``ep_size == tp_size`` (``fsdp_size`` 1); other layouts and pipeline parallelism (``pp_size``) are refused by
+name (:func:`check_model_sharding`: the measured reasons there).
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ def data_group_ranks(sizes: dict[str, int], rank: int) -> list[list[int]]:
 
 
 class TensorParallelBackend(FSDP2Backend):
-    """A model sharded by transformers' ``DistributedConfig`` (tensor parallel, optionally x FSDP2 / HSDP).
+    """A model sharded by transformers' ``DistributedConfig`` (tensor parallel, optionally x FSDP2 / HSDP; expert
+    parallel with FSDP2 or with tensor parallelism).
 
     The count collective runs on the data-parallel group (the ranks that hold different samples); the loss is scaled
     by its size. With FSDP2 over the data dimensions (``fsdp_size`` > 1) the window's reduction follows

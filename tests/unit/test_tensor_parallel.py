@@ -46,9 +46,44 @@ def test_pipeline_parallelism_is_refused_by_name():
         check_model_sharding(model)
 
 
-def test_expert_parallelism_is_refused_by_name():
-    with pytest.raises(UnsupportedBackendError, match=r"ep_size=2.*parallelism_config"):
-        check_model_sharding(_sharded_model(fsdp_size=2, ep_size=2))
+@pytest.mark.parametrize("sizes", [{"fsdp_size": 2, "ep_size": 2}, {"tp_size": 2, "ep_size": 2},
+                                   {"fsdp_size": 4, "ep_size": 4}])  # fmt: skip
+def test_expert_parallel_layouts_shown_exact_pass(sizes):
+    """Every expert whole on one rank, the expert group the data ranks or the tensor ranks (the 2-rank runs:
+    tests/distributed/test_mesh_ep.py); the model goes to the tensor-parallel backend even without a mesh in accelerate."""
+    from hf_gradacc.backends.sharded_model import uses_expert_parallelism
+
+    model = _sharded_model(**sizes)
+    assert check_model_sharding(model).ep_size == sizes["ep_size"]
+    assert uses_expert_parallelism(model) and not uses_expert_parallelism(_sharded_model(fsdp_size=2))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "reason"),
+    [
+        ({"fsdp_size": 4, "ep_size": 2}, r"FSDP-sharded over .* = 2 ranks"),
+        ({"tp_size": 2, "fsdp_size": 2, "ep_size": 2}, r"FSDP-sharded over .* = 2 ranks"),
+        ({"tp_size": 2, "fsdp_size": 2, "ep_size": 4}, r"spans both the data ranks"),
+        ({"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 2}, r"dp_replicate_size` 2 \(HSDP\)"),
+    ],
+)
+def test_other_expert_parallel_layouts_are_refused_by_name(sizes, reason):
+    with pytest.raises(UnsupportedBackendError, match=rf"ep_size={sizes['ep_size']}\).*{reason}.*fsdp_size=N, ep_size=N"):
+        check_model_sharding(_sharded_model(**sizes))
+
+
+def test_an_expert_parallel_model_goes_to_the_tensor_parallel_backend():
+    """With `tp_size` 1 accelerate has no parallelism_config (MULTI_CPU): the model decides."""
+    from accelerate.utils import DistributedType
+
+    from hf_gradacc.backends import resolve_backend
+    from hf_gradacc.backends.ddp import DDPBackend
+    from hf_gradacc.backends.tensor_parallel import TensorParallelBackend
+
+    accelerator = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, parallelism_config=None)
+    backend = resolve_backend(accelerator, SimpleNamespace(), model=_sharded_model(fsdp_size=2, ep_size=2))
+    assert isinstance(backend, TensorParallelBackend)
+    assert type(resolve_backend(accelerator, SimpleNamespace(), model=_sharded_model(fsdp_size=2))) is DDPBackend
 
 
 def test_tensor_parallel_models_pass_and_plain_models_are_not_sharded():
