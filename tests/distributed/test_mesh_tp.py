@@ -6,8 +6,8 @@ GradAccTrainer is exact on causal LM and Llama sequence classification (relative
 full batch over the 8 samples of the 2 data ranks; mixed lengths, masked prompts), through the update, ``trainer.grads``
 (DTensor gradients) and the logged ``grad_norm``; the count is summed over the data group only and the loss scaled by
 the data-parallel size 2, not the world size 4. The stock Trainer is shown beside it. One launch of 4 ranks for every
-case (about a minute on 2 busy cores), plus TP 2 alone on 2 ranks. Pipeline and expert parallelism are refused by
-name: tests/unit/test_tensor_parallel.py.
+case (about a minute on 2 busy cores), plus TP 2 alone on 2 ranks. Expert parallelism: tests/distributed/test_mesh_ep.py;
+pipeline parallelism and the expert layouts not shown exact are refused by name: tests/unit/test_tensor_parallel.py.
 """
 
 from __future__ import annotations
