@@ -102,7 +102,7 @@ def resolve_backend(
     }
     check_requested_backend(dist_type)
     _check_joined_world()
-    check_context_parallel(getattr(accelerator, "parallelism_config", None))
+    check_context_parallel(getattr(accelerator, "parallelism_config", None), distributed_type=dist_type)
     if dist_type in ddp_types:
         tp_size = int(getattr(getattr(accelerator, "parallelism_config", None), "tp_size", 1) or 1)
         if tp_size > 1 or uses_expert_parallelism(model):

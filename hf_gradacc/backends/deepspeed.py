@@ -216,6 +216,14 @@ class DeepSpeedBackend(Backend):
             raise UnsupportedBackendError("accelerate reports DeepSpeed but holds no DeepSpeed plugin (config).")
         check_deepspeed_config(plugin.deepspeed_config, args, accelerator.num_processes)
         self.zero_stage: int = int(plugin.deepspeed_config["zero_optimization"]["stage"])
+        if self.zero_stage == 3 and self.sequence_parallel_size > 1:
+            # Measured on 2 CPU ranks (sp 2): the update is 0.50x the float64 full batch; ZeRO-1/2 are exact.
+            raise UnsupportedBackendError(
+                f"DeepSpeed ZeRO-3 with Ulysses sequence parallelism (`parallelism_config.sp_size` "
+                f"{self.sequence_parallel_size}) is not supported by GradAccTrainer: ZeRO-3 scales the sequence "
+                "shards' gradients differently from ZeRO-1/2 (measured: half the full-batch gradient with sp 2). Use "
+                "`zero_stage: 1` or `2` with `sp_size`, or ZeRO-3 with `parallelism_config_sp_size: 1`."
+            )
         self.engine: Any = None
         self._window_reduction: contextlib.ExitStack | None = None
 
@@ -225,7 +233,37 @@ class DeepSpeedBackend(Backend):
         return self.zero_stage != 3
 
     def kind(self) -> str:
-        return f"DeepSpeed ZeRO-{self.zero_stage}"
+        sp = f", Ulysses sequence parallel {self.sequence_parallel_size}" if self.sequence_parallel_size > 1 else ""
+        return f"DeepSpeed ZeRO-{self.zero_stage}{sp}"
+
+    def describe(self) -> str:
+        if self.sequence_parallel_size == 1:
+            return super().describe()
+        return (
+            f"{self.kind()}, {self.accelerator.num_processes} processes ({self.dp_world_size} data x "
+            f"{self.sequence_parallel_size} sequence)"
+        )
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks holding positions of the same sequences (accelerate's ``sp_size`` with ``sp_backend="deepspeed"``)."""
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is None or getattr(pc, "sp_backend", None) != "deepspeed":
+            return 1
+        return int(getattr(pc, "sp_size", None) or 1)
+
+    @property
+    def dp_world_size(self) -> int:
+        """The ranks ZeRO averages gradients over: the data ranks. Under Ulysses sequence parallelism ZeRO reduces
+        over the sequence-data-parallel group but divides by its size / ``sp_size`` (stage_1_and_2.py,
+        ``average_tensor``): the sequence shards' gradients are summed, so they are not part of the loss scale."""
+        return self.accelerator.num_processes // self.sequence_parallel_size
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """One collective over every rank: data ranks and sequence shards hold different targets, each counted once."""
+        if self.accelerator.num_processes == 1:
+            return tensor.unsqueeze(0)
+        return self.accelerator.gather(tensor.unsqueeze(0))
 
     def _check_process_count(self) -> None:
         import torch.distributed as dist
@@ -256,11 +294,15 @@ class DeepSpeedBackend(Backend):
         basic = getattr(zero_optimizer, "optimizer", None)
         if basic is not None:
             check_client_optimizer(basic)
-        if engine.dp_world_size != self.dp_world_size:
+        # ZeRO reduces over the sequence-data-parallel group and divides by its size / sp (the data ranks).
+        reduced_over = int(getattr(engine, "seq_dp_world_size", None) or engine.dp_world_size)
+        sp = int(getattr(engine, "sequence_parallel_size", None) or 1)
+        if reduced_over != self.accelerator.num_processes or sp != self.sequence_parallel_size:
             raise UnsupportedBackendError(
-                f"DeepSpeed's data-parallel size ({engine.dp_world_size}) differs from the number of processes "
-                f"({self.dp_world_size}): tensor, pipeline or sequence parallelism is not supported by "
-                "GradAccTrainer. Use pure data parallelism."
+                f"DeepSpeed reduces gradients over {reduced_over} rank(s) with sequence-parallel size {sp}, but there "
+                f"are {self.accelerator.num_processes} processes and `parallelism_config.sp_size` is "
+                f"{self.sequence_parallel_size}: tensor or pipeline parallelism is not supported by GradAccTrainer "
+                "under DeepSpeed. Use data parallelism, with or without Ulysses sequence parallelism (`sp_size`)."
             )
         wanted_clip = _clip_value(self.args.max_grad_norm)
         if _clip_value(engine.gradient_clipping()) != wanted_clip:
@@ -373,7 +415,7 @@ class DeepSpeedBackend(Backend):
             local = self._local_view(param)
             if local is not None and local.numel() > 0:
                 squares[i] = local.detach().to(device=device, dtype=torch.float64).pow(2).sum()
-        if self.dp_world_size > 1:  # the partitions are disjoint: their sums add up to the full squares
+        if self.accelerator.num_processes > 1:  # disjoint partitions (data x sequence ranks): their sums add up
             group = getattr(getattr(engine, "optimizer", None), "dp_process_group", None)
             dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
         scale = self._loss_scale()
@@ -410,7 +452,7 @@ class DeepSpeedBackend(Backend):
             squares, reduced = sum_of_squares(safe_get_local_grad(p) for p in params if p.requires_grad), True
         else:
             squares, reduced = sum_of_squares(self._zero2_partition_slices(optimizer)), True
-        if reduced and self.dp_world_size > 1:  # disjoint partitions: their squares add up (one scalar all-reduce)
+        if reduced and self.accelerator.num_processes > 1:  # disjoint partitions: squares add up (one all-reduce)
             import torch.distributed as dist
 
             squares = squares.to(engine.device)

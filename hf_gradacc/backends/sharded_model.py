@@ -1,6 +1,6 @@
 """The meshes GradAccTrainer refuses, by name: models sharded at load time by transformers' ``DistributedConfig``
-with pipeline parallelism or an expert-parallel layout not shown exact, and accelerate's context and sequence
-parallelism.
+with pipeline parallelism or an expert-parallel layout not shown exact, accelerate's context parallelism, and
+sequence parallelism outside DeepSpeed Ulysses (ZeRO-1/2; ZeRO-3 is refused in the DeepSpeed backend).
 
 Apart from :mod:`hf_gradacc.backends.tensor_parallel` so that every backend's ``check_model`` and ``resolve_backend``
 can ask it without an import cycle.
@@ -120,9 +120,9 @@ def check_model_sharding(model: torch.nn.Module | None) -> Any | None:
     return config
 
 
-def check_context_parallel(parallelism_config: Any) -> None:
-    """Raise :class:`~hf_gradacc.UnsupportedBackendError` for accelerate's context parallelism (``cp_size`` > 1) and
-    DeepSpeed-Ulysses sequence parallelism (``sp_size`` > 1).
+def check_context_parallel(parallelism_config: Any, *, distributed_type: Any = None) -> None:
+    """Raise :class:`~hf_gradacc.UnsupportedBackendError` for accelerate's context parallelism (``cp_size`` > 1), and
+    for sequence parallelism (``sp_size`` > 1) anywhere but under DeepSpeed with ``sp_backend="deepspeed"``.
 
     The stock Trainer shards each micro-batch's sequences inside its own ``training_step``
     (``Trainer._prepare_context_parallel_inputs`` and accelerate's ``maybe_context_parallel``); GradAccTrainer's
@@ -130,23 +130,24 @@ def check_context_parallel(parallelism_config: Any) -> None:
     sequences: a run that "works", with none of the memory context parallelism is for. The count rule for it is
     ready (:func:`hf_gradacc.counting.context_parallel_shard`, tested on simulated shards).
 
+    DeepSpeed Ulysses sequence parallelism is trained: the Trainer wraps the dataloader in DeepSpeed's
+    ``UlyssesSPDataLoaderAdapter`` (each rank gets a slice of every sequence and ``shift_labels`` made from the whole
+    sequence), GradAccTrainer counts those targets over every rank and scales by the data ranks ZeRO averages over
+    (shown exact on 2 CPU ranks, tests/distributed/test_sequence_parallel.py).
+
     Example:
         ```python
-        check_context_parallel(trainer.accelerator.parallelism_config)
+        check_context_parallel(trainer.accelerator.parallelism_config, distributed_type=DistributedType.DEEPSPEED)
         ```
     """
     sp_size = int(getattr(parallelism_config, "sp_size", None) or 1)
-    if sp_size > 1:
-        # The Trainer routes a DeepSpeed-Ulysses step through its own `deepspeed_sp_compute_loss` (a loss gathered
-        # over the sequence group) and wraps the dataloader in accelerate's Ulysses adapter; GradAccTrainer's
-        # compute_loss replaces that path, and its count over a sequence group is not tested yet.
+    sp_backend = getattr(parallelism_config, "sp_backend", None)
+    if sp_size > 1 and not (str(distributed_type).endswith("DEEPSPEED") and sp_backend == "deepspeed"):
         raise UnsupportedBackendError(
-            f"`parallelism_config.sp_size` ({sp_size}, sequence parallelism with `sp_backend="
-            f"{getattr(parallelism_config, 'sp_backend', None)!r}`) is not supported by GradAccTrainer yet: the "
-            "Trainer computes a sequence-parallel loss in its own `compute_loss` (`deepspeed_sp_compute_loss`), which "
-            "GradAccTrainer's replaces, and the count over the sequence group is not shown exact. Set "
-            "`parallelism_config_sp_size: 1` in the accelerate config (or `ParallelismConfig(sp_size=1)`); for long "
-            "sequences use `fused_lm_head` or packing meanwhile."
+            f"`parallelism_config.sp_size` ({sp_size}, sequence parallelism with `sp_backend={sp_backend!r}`) is "
+            f"supported by GradAccTrainer only under DeepSpeed with `sp_backend: deepspeed` (Ulysses), not with "
+            f"{distributed_type}. Use a DeepSpeed config (`distributed_type: DEEPSPEED`), or set "
+            "`parallelism_config_sp_size: 1` (`ParallelismConfig(sp_size=1)`)."
         )
     size = int(getattr(parallelism_config, "cp_size", None) or 1)
     if size > 1:

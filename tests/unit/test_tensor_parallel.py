@@ -137,13 +137,16 @@ def test_context_parallelism_is_refused_by_name_at_backend_resolution():
         resolve_backend(accelerator, SimpleNamespace())
 
 
-def test_sequence_parallelism_is_refused_by_name_at_backend_resolution():
+def test_sequence_parallelism_outside_deepspeed_is_refused_by_name_at_backend_resolution():
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DistributedType
 
     from hf_gradacc.backends import resolve_backend
+    from hf_gradacc.backends.sharded_model import check_context_parallel
 
     config = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
-    accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, parallelism_config=config)
-    with pytest.raises(UnsupportedBackendError, match=r"sp_size` \(2, sequence parallelism.*'deepspeed'.*sp_size: 1"):
+    # Ulysses under DeepSpeed is trained (exact: tests/distributed/test_sequence_parallel.py)
+    check_context_parallel(config, distributed_type=DistributedType.DEEPSPEED)
+    accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP, parallelism_config=config)
+    with pytest.raises(UnsupportedBackendError, match=r"sp_size` \(2, sequence parallelism.*only under DeepSpeed"):
         resolve_backend(accelerator, SimpleNamespace())

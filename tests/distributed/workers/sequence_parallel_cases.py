@@ -1,0 +1,120 @@
+"""DeepSpeed Ulysses sequence parallelism (accelerate ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")``) on 2
+CPU ranks (gloo), launched with ``accelerate launch --config_file zero<N>_cpu.yaml`` and ``HF_GRADACC_CPU_DISTRIBUTED=1``.
+
+One case per launch: ``--trainer gradacc`` (or ``stock``, the stock Trainer) trains one SGD step (lr 1) of a tiny
+Llama (sdpa) on mixed-length samples with masked prompts, every micro-batch right-padded to one width (``WIDTH``).
+The Trainer wraps the dataloader in DeepSpeed's ``UlyssesSPDataLoaderAdapter``: each of the GRAD_ACC micro-batches is
+one rank's batch, cut along the sequence, so a step holds ``world x batch x GRAD_ACC / SP_SIZE`` samples. Each rank
+reports the update's distance from the float64 full batch over those samples, or the error the run ended with.
+
+Found on CPU (DeepSpeed 0.19.8, gloo): the adapter all-gathers every rank's batch, and gloo needs equal shapes (a
+batch padded to its own longest row fails: "ProcessGroupGloo::allgather: invalid tensor size"); the stock Trainer's
+loss needs a contiguous ``shift_labels``, which the adapter's slice of a batch of more than one row is not on CPU
+("view size is not compatible with input tensor's size and stride", ForCausalLMLoss): ``--batch 1`` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import traceback
+from typing import Any
+
+import torch
+from accelerate.parallelism_config import ParallelismConfig
+from accelerate.utils import DeepSpeedSequenceParallelConfig
+from transformers import Trainer, TrainingArguments
+
+from hf_gradacc import GradAccConfig, GradAccTrainer
+from hf_gradacc.testing.one_step import one_step_args
+from hf_gradacc.testing.reference import compare, reference_gradients
+from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+from tests.distributed.workers._common import finish_worker, rank, world_size, write_result
+
+PER_DEVICE_BATCH = 2
+GRAD_ACC = 4
+SP_SIZE = 2
+WIDTH = 40  # make_samples' longest row is shorter
+
+
+class SequenceCollator(PaddingCollator):
+    """Right-pads to a multiple of the sequence-parallel size and adds ``position_ids`` (Ulysses needs both)."""
+
+    def __call__(self, samples):
+        batch = super().__call__(samples)
+        width = batch["input_ids"].shape[1]
+        # One width for every micro-batch: the adapter all-gathers each rank's batch, and gloo needs equal shapes.
+        extra = WIDTH - width
+        if extra:
+            pad = lambda t, v: torch.nn.functional.pad(t, (0, extra), value=v)  # noqa: E731
+            batch["input_ids"] = pad(batch["input_ids"], self.pad_token_id)
+            batch["attention_mask"] = pad(batch["attention_mask"], 0)
+            batch["labels"] = pad(batch["labels"], self.ignore_index)
+        batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"]).clone()
+        batch.pop("attention_mask")  # right padding, causal attention: no real token sees a pad; Ulysses drops it
+        return batch
+
+
+def parallelism_config() -> ParallelismConfig:
+    return ParallelismConfig(
+        sp_size=SP_SIZE,
+        sp_backend="deepspeed",
+        sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
+    )
+
+
+def run(trainer_name: str, batch: int) -> dict[str, Any]:
+    # One step: GRAD_ACC micro-batches of the adapter = GRAD_ACC / SP_SIZE batches from each of the world ranks
+    num_samples = world_size() * batch * GRAD_ACC // SP_SIZE
+    base = build_tiny_model("causal_lm")
+    base.config._attn_implementation = "sdpa"
+    samples = make_samples("causal_lm", num_samples, seed=0)
+    reference = reference_gradients(base, samples, "causal_lm", PaddingCollator())
+    model = copy.deepcopy(base)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = one_step_args(
+        tempfile.mkdtemp(prefix="sp_case_"),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=GRAD_ACC,
+        args_class=GradAccConfig if trainer_name == "gradacc" else TrainingArguments,
+        use_cpu=False,
+        parallelism_config=parallelism_config(),
+    )
+    cls = GradAccTrainer if trainer_name == "gradacc" else Trainer
+    trainer = cls(model=model, args=args, train_dataset=ListDataset(samples), data_collator=SequenceCollator())
+    trainer.train()
+    module = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    update = {n: initial[n] - p.detach().float() for n, p in module.named_parameters()}
+    cmp = compare(update, reference)
+    return {
+        "relative_error": cmp.relative_error,
+        "norm_ratio": cmp.norm_ratio,
+        "cosine": cmp.cosine,
+        "global_step": trainer.state.global_step,
+        "num_unchanged": sum(int(bool((u == 0).all())) for u in update.values()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", choices=("stock", "gradacc"), required=True)
+    parser.add_argument("--batch", type=int, default=PER_DEVICE_BATCH)
+    opts = parser.parse_args()
+    try:
+        payload = {"outcome": "trained", **run(opts.trainer, opts.batch)}
+    except Exception as err:
+        payload = {
+            "outcome": "error",
+            "error_type": type(err).__name__,
+            "error": str(err)[:2000],
+            "traceback": traceback.format_exc()[-4000:],
+        }
+    write_result(opts.trainer, payload)
+    if rank() == 0:
+        print(f"[sequence_parallel_cases] {opts.trainer}: {payload}", flush=True)
+    finish_worker()
+
+
+if __name__ == "__main__":
+    main()
