@@ -217,7 +217,8 @@ def launch_env(
 
     Returns:
         A new dict: ``OMP_NUM_THREADS=1`` and the other thread limits, offline Hub / datasets / W&B, unbuffered
-        output, and ``PYTHONPATH`` starting with the repository root.
+        output, ``PYTHONPATH`` starting with the repository root, and ``TORCH_EXTENSIONS_DIR`` inside this
+        virtualenv unless it is set.
 
     Example:
         ```python
@@ -226,6 +227,10 @@ def launch_env(
     """
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith("ACCELERATE_")}
     env.update(_QUIET_ENV)
+    # JIT-built ops (DeepSpeed's CPU op) in a folder of THIS environment: torch keys its default folder only by the
+    # Python and accelerator, so two virtualenvs (a developer's and a CI-style one, or another DeepSpeed version)
+    # would rebuild the op over each other's build at every launch, 100-300 s each on 2 cores.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     # Workers import the package and tests/ from the repository checkout.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     if hide_gpus:
