@@ -26,14 +26,21 @@ TOLERANCE = 1e-5
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _launch(stage: int) -> list[dict]:
+def _launch(stage: int, num_processes: int = 2) -> list[dict]:
+    config = REPO / "examples" / "accelerate_configs" / f"zero{stage}_cpu.yaml"
+    out_dir = tempfile.mkdtemp(prefix="hf_gradacc_sp_")
+    if num_processes != 2:
+        text = config.read_text().replace("num_processes: 2", f"num_processes: {num_processes}")
+        config = Path(out_dir) / config.name
+        config.write_text(text)
     result = run_accelerate(
-        REPO / "examples" / "accelerate_configs" / f"zero{stage}_cpu.yaml",
+        config,
         WORKER,
         ["--trainer", "gradacc", "--batch", "2"],
         cpu_distributed=True,
-        timeout=300.0,
-        out_dir=tempfile.mkdtemp(prefix="hf_gradacc_sp_"),
+        nproc=num_processes,
+        timeout=300.0 * num_processes / 2,
+        out_dir=out_dir,
     )
     return result.load("gradacc")
 
@@ -55,3 +62,14 @@ def test_ulysses_sequence_parallel_zero3_is_refused_by_name():
         assert payload["error_type"] == "UnsupportedBackendError"
         assert "ZeRO-3 with Ulysses sequence parallelism" in payload["error"]
         assert "zero_stage: 1" in payload["error"]
+
+
+@pytest.mark.scale
+def test_ulysses_sequence_parallel_times_data_parallel_zero2_is_exact():
+    # sp 2 x data 2 on 4 ranks: counted over all 4, the loss scaled by the 2 data ranks ZeRO divides by
+    ranks = _launch(2, num_processes=4)
+    assert len(ranks) == 4
+    for payload in ranks:
+        assert payload["outcome"] == "trained", payload.get("traceback", payload)
+        assert payload["num_unchanged"] == 0
+        assert payload["relative_error"] <= TOLERANCE, payload

@@ -57,7 +57,9 @@ class SequenceCollator(PaddingCollator):
 
 
 def parallelism_config() -> ParallelismConfig:
+    # accelerate sizes DeepSpeed's train_batch_size by `data_parallel_size`: the data ranks beside the sequence group
     return ParallelismConfig(
+        dp_replicate_size=world_size() // SP_SIZE,
         sp_size=SP_SIZE,
         sp_backend="deepspeed",
         sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
