@@ -208,9 +208,10 @@ class CountRule:
         count_group_size: ranks in the count group (their counts are disjoint: each counted target once).
         copies: ranks holding copies of the same tokens (``tp`` x ``pp``): their counts are never added.
         loss_scale: the number of ranks the backend AVERAGES gradients over; each micro-batch's summed loss is
-            multiplied by it (then divided by the global count). Equal to ``count_group_size`` on every supported
-            mesh: FSDP2 averages over ``dp_replicate`` x ``dp_shard`` x ``cp`` (accelerate's ``dp_shard_cp``),
-            DeepSpeed over its sequence-data-parallel group, and never over ``tp`` or ``pp``.
+            multiplied by it (then divided by the global count). FSDP2 averages over ``dp_replicate`` x ``dp_shard``
+            x ``cp`` (accelerate's ``dp_shard_cp``): the whole count group. DeepSpeed-Ulysses (``sp``) reduces over
+            its sequence-data group but divides by the data ranks only (measured with ZeRO-1/2: the ``sp`` shards'
+            gradients are summed), so ``sp`` is counted but not in the scale. Never ``tp`` or ``pp``.
         world_size: every rank of the mesh.
 
     Example:
@@ -259,7 +260,8 @@ def count_rule(mesh: Any) -> CountRule:
     for dim in COUNTED_DIMS:
         group *= sizes[dim]
     copies = sizes["tp"] * sizes["pp"]
-    return CountRule(count_dims=dims, count_group_size=group, copies=copies, loss_scale=group,
+    # The sequence-parallel shards' gradients are summed by DeepSpeed (it divides by the data ranks only).
+    return CountRule(count_dims=dims, count_group_size=group, copies=copies, loss_scale=group // sizes["sp"],
                      world_size=group * copies)  # fmt: skip
 
 

@@ -34,7 +34,7 @@ RULES = [
     ({"dp_shard": 2, "tp": 2}, ("dp_shard",), 2, 2, 2),  # TP 2 x FSDP 2
     ({"tp": 4}, (), 1, 1, 4),  # TP alone: every rank holds the same tokens
     ({"dp_shard": 2, "cp": 2}, ("dp_shard", "cp"), 4, 4, 1),  # CP 2 x FSDP 2
-    ({"dp_replicate": 2, "sp": 2}, ("dp_replicate", "sp"), 4, 4, 1),  # Ulysses SP 2 x ZeRO 2
+    ({"dp_replicate": 2, "sp": 2}, ("dp_replicate", "sp"), 4, 2, 1),  # Ulysses SP 2 x ZeRO 2: shards summed
     ({"dp_shard": 2, "tp": 2, "ep": 4}, ("dp_shard",), 2, 2, 2),  # EP over the shard x tensor ranks
     ({"dp_replicate": 2, "pp": 2}, ("dp_replicate",), 2, 2, 2),  # PP 2 x DDP 2
     ({"dp_replicate": 2, "dp_shard": 2, "tp": 2, "cp": 2}, ("dp_replicate", "dp_shard", "cp"), 8, 8, 2),
