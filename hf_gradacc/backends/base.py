@@ -105,8 +105,9 @@ class Backend:
         return self.accelerator.num_processes
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """One collective: every rank's ``tensor`` stacked along a new first dim."""
-        if self.dp_world_size == 1:
+        """One collective: every rank's ``tensor`` stacked along a new first dim (every process: data ranks and,
+        under sequence parallelism, the sequence shards, which hold different targets)."""
+        if self.accelerator.num_processes == 1:
             return tensor.unsqueeze(0)
         return self.accelerator.gather(tensor.unsqueeze(0))
 

@@ -259,12 +259,6 @@ class DeepSpeedBackend(Backend):
         ``average_tensor``): the sequence shards' gradients are summed, so they are not part of the loss scale."""
         return self.accelerator.num_processes // self.sequence_parallel_size
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """One collective over every rank: data ranks and sequence shards hold different targets, each counted once."""
-        if self.accelerator.num_processes == 1:
-            return tensor.unsqueeze(0)
-        return self.accelerator.gather(tensor.unsqueeze(0))
-
     def _check_process_count(self) -> None:
         import torch.distributed as dist
 
