@@ -18,6 +18,7 @@ from .fused_head import fused_causal_lm_sum, fused_row_check
 from .heads import Head, input_token_count, unwrap_model
 from .loss import LossOutput, LossTerm, causal_targets, model_labels
 from .memory import is_out_of_memory
+from .weights import WEIGHTS, pop_weights, weighted_loss_sum
 from .window import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts
 
 logger = logging.get_logger(__name__)
@@ -67,6 +68,8 @@ def builtin_loss(
     inputs = dict(inputs)
     labels = inputs.pop(LABEL_KEY, None)
     shift_labels = inputs.pop(SHIFT_LABELS_KEY, None)
+    weights = pop_weights(inputs)  # never reaches the forward; the model's own (unweighted) loss is not compared
+    with_model_loss = with_model_loss and weights is None
     if labels is None and shift_labels is None:
         raise GradAccDataError(
             f"The batch has no `{LABEL_KEY}` (keys: {sorted(inputs)}); GradAccTrainer computes the loss from the "
@@ -84,6 +87,11 @@ def builtin_loss(
             )
         else:  # the model builds its decoder inputs (and a loss that is not used)
             inputs[LABEL_KEY] = model_labels(labels, head.ignore_index)
+    if fused_lm_head and weights is not None:
+        raise GradAccConfigError(
+            "`fused_lm_head=True` cannot take `loss_weights` (its tiles sum unweighted targets); set "
+            "`fused_lm_head=False`, or drop the weights column."
+        )
     if fused_lm_head:
         return _fused_loss(head, model, inputs, labels, shift_labels, denominator=denominator, check=with_model_loss)
     outputs = None
@@ -104,9 +112,16 @@ def builtin_loss(
             )
     if outputs is None:
         outputs = model(**inputs)
-    terms = {
-        MAIN_TERM: LossTerm(total=head.sum_loss(logits_of(outputs), labels, shift_labels), normalize_by=denominator)
-    }
+    if weights is not None:
+        total = weighted_loss_sum(
+            logits_of(outputs), labels, weights, head_type=head.type or "masked_lm", ignore_index=head.ignore_index,
+            shift_labels=shift_labels, problem_type=head.problem_type_of(labels), label_smoothing=head.label_smoothing,
+        )  # fmt: skip
+        terms = {MAIN_TERM: LossTerm(total=total, normalize_by=WEIGHTS)}
+    else:
+        terms = {
+            MAIN_TERM: LossTerm(total=head.sum_loss(logits_of(outputs), labels, shift_labels), normalize_by=denominator)
+        }
     terms.update(model_aux_terms(model, outputs, input_token_count(inputs)))
     return terms, outputs
 

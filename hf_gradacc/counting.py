@@ -29,6 +29,7 @@ from transformers.utils import logging
 
 from .errors import GradAccConfigError, GradAccDataError
 from .loss import IGNORE_INDEX, SAMPLE_LEVEL_HEADS, HeadType, token_count
+from .weights import target_weight_sum
 
 logger = logging.get_logger(__name__)
 
@@ -57,6 +58,8 @@ class MicroBatchCounts:
         num_seen_tokens: input tokens as `TrainingArguments.include_num_input_tokens_seen` counts them (0 when off).
         num_positions: token positions the model computes (``input_ids`` size: padding included).
         labelled: False when the micro-batch has no labels (only samples can be counted).
+        weight_sum: the sum of the ``loss_weights`` of its counted targets (:mod:`hf_gradacc.weights`); None without
+            that column.
 
     Example:
         ```python
@@ -71,12 +74,15 @@ class MicroBatchCounts:
     num_seen_tokens: int = 0
     num_positions: int = 0
     labelled: bool = True
+    weight_sum: float | None = None  # the `loss_weights` of its counted targets, summed (None: no weights column)
 
-    def get(self, denominator: str) -> int:
+    def get(self, denominator: str) -> int | float:
         if denominator == "tokens":
             return self.num_tokens
         if denominator == "input_tokens":
             return self.num_input_tokens
+        if denominator == "weights":
+            return self.weight_sum or 0.0
         return self.num_samples
 
 
@@ -127,7 +133,8 @@ def count_micro_batch(
             num_samples = int(token_count(targets.reshape(rows, -1)[:, 0], ignore_index))
         else:
             num_samples = rows
-        return MicroBatchCounts(num_tokens=num_samples, num_samples=num_samples)
+        weighted = target_weight_sum(batch, head_type, ignore_index=ignore_index, problem_type=problem_type)
+        return MicroBatchCounts(num_tokens=num_samples, num_samples=num_samples, weight_sum=weighted)
 
     if targets.is_floating_point() or targets.dtype == torch.bool:
         raise GradAccDataError(
@@ -138,7 +145,9 @@ def count_micro_batch(
     if head_type == "causal_lm" and SHIFT_LABELS_KEY not in batch:
         targets = targets[..., 1:]
     num_samples = rows_of(batch) if PACKED_KEY in batch else targets.shape[0] if targets.dim() > 1 else 1
-    return MicroBatchCounts(num_tokens=int(token_count(targets, ignore_index)), num_samples=num_samples)
+    weighted = target_weight_sum(batch, head_type, ignore_index=ignore_index)
+    return MicroBatchCounts(num_tokens=int(token_count(targets, ignore_index)), num_samples=num_samples,
+                            weight_sum=weighted)  # fmt: skip
 
 
 def rows_of(batch: Mapping[str, Any]) -> int:

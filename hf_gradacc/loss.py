@@ -38,8 +38,8 @@ HEAD_TYPES: tuple[str, ...] = (
 # Heads with one label per row, normalised by samples (their labels and losses follow the same problem types).
 SAMPLE_LEVEL_HEADS: tuple[str, ...] = ("sequence_classification", "image_classification")
 ProblemType = Literal["single_label_classification", "multi_label_classification", "regression"]
-Denominator = Literal["tokens", "samples", "input_tokens"]
-DENOMINATORS: tuple[str, ...] = ("tokens", "samples", "input_tokens")
+Denominator = Literal["tokens", "samples", "input_tokens", "weights"]
+DENOMINATORS: tuple[str, ...] = ("tokens", "samples", "input_tokens", "weights")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +54,8 @@ class LossTerm:
         total: a scalar tensor, the SUM of the loss over this micro-batch's items.
         normalize_by: ``"tokens"`` (labels that are not ``ignore_index``, after the causal shift for
             causal LMs), ``"samples"`` (rows of the micro-batch with a label), ``"input_tokens"`` (input positions
-            the model attends to: ``attention_mask == 1``, every position without a mask), or this micro-batch's
+            the model attends to: ``attention_mask == 1``, every position without a mask), ``"weights"`` (the sum of
+            the batch's ``loss_weights`` over its counted targets, see :mod:`hf_gradacc.weights`), or this micro-batch's
             own count (a finite, non-negative whole number: an int or a one-value tensor), which the trainer sums
             over the window and all ranks — a count only known after the forward pass needs
             ``GradAccConfig(defer_normalization=True)``.
@@ -247,8 +248,8 @@ class LossOutput:
         """The terms as ONE batch's mean loss (evaluation): each sum over its own count in this batch (``counts``
         has ``get("tokens" | "samples")``), added up."""
         parts = [
-            term.total / max(counts.get(term.normalize_by) if isinstance(term.normalize_by, str)
-                             else int(term.normalize_by), 1)
+            term.total / ((counts.get(term.normalize_by) if isinstance(term.normalize_by, str)
+                           else int(term.normalize_by)) or 1)
             for term in self.terms.values()
         ]
         return sum(parts[1:], parts[0])

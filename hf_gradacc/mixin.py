@@ -49,6 +49,7 @@ from .loss import LossOutput, LossTerm, parse_loss_output
 from .nonfinite import poison_nonfinite
 from .run_plan import realign_learning_rate, resumed_start, training_values
 from .step import DATA_RAN_OUT, open_window, optimizer_step, train_window
+from .weights import keep_weights_column, primary_denominator
 from .window import LABEL_KEY, MicroBatchCounts, TermLog, Window
 
 logger = logging.get_logger(__name__)
@@ -123,6 +124,7 @@ class GradAccMixin:
             # Keep `labels` through the Trainer's unused-column removal even when the model's forward does not
             # take them: the built-in loss is computed from them.
             self.label_names = [*self.label_names, LABEL_KEY]
+        keep_weights_column(self)  # `loss_weights` survives remove_unused_columns, without being a label name
         self.backend = resolve_backend(
             self.accelerator,
             self.args,
@@ -177,7 +179,7 @@ class GradAccMixin:
     @property
     def primary_denominator(self) -> str:
         """``"samples"`` for sequence classification (and unlabelled data), ``"tokens"`` for every other head."""
-        return self.head.denominator(labelled=self._window is None or self._window.counts.labelled)
+        return primary_denominator(self.head, self._window)  # "weights" when the step carries `loss_weights`
 
     def add_callback(self, callback: Any) -> None:
         """`Trainer.add_callback`; a :class:`~hf_gradacc.callbacks.GradAccCallback` also gets the trainer."""

@@ -32,6 +32,9 @@ logger = logging.get_logger(__name__)
 # Order of the values in the per-rank count vector that is gathered once per window.
 _TOKENS, _SAMPLES, _INPUT_TOKENS, _SEEN_TOKENS, _POSITIONS, _MICRO_BATCHES, _FAILED = range(7)
 _FIRST_TOKENS, _FIRST_SAMPLES, _FIRST_INPUT_TOKENS = range(7, 10)  # micro-batch 0 of the rank (0 without one)
+# Micro-batches with `loss_weights`, and their weight sum: a float64 carried as its 64 bits in the int64 vector (a
+# gather moves bits unchanged; the sum over ranks is taken in float64 after it, in rank order, alike on every rank).
+_WEIGHTED, _WEIGHT_BITS = 10, 11
 # Denominator kinds of a streamed window, in the column order of its gathered count vector.
 STREAMED_KINDS: tuple[str, ...] = ("tokens", "samples", "custom")
 
@@ -50,6 +53,14 @@ class WindowCounts:
     # Micro-batch 0 of every rank, summed over ranks: the items behind the gradient after the first micro-batch when
     # the backend reduces every micro-batch (gradient noise scale). None for streamed windows and after a resplit.
     global_first: MicroBatchCounts | None = None
+    # The `loss_weights` of counted targets, summed over the window and every rank (hf_gradacc.weights).
+    global_weights: float = 0.0
+    num_weighted_micro_batches: int = 0
+
+    @property
+    def weighted(self) -> bool:
+        """True when the step's micro-batches carry `loss_weights` (every one of them, on every rank)."""
+        return self.num_weighted_micro_batches > 0
 
     @property
     def labelled(self) -> bool:
@@ -72,11 +83,13 @@ class WindowCounts:
     def local_seen_tokens(self) -> int:
         return sum(mb.num_seen_tokens for mb in self.micro_batches)
 
-    def global_count(self, denominator: str) -> int:
+    def global_count(self, denominator: str) -> int | float:
         if denominator == "tokens":
             return self.global_tokens
         if denominator == "input_tokens":
             return self.global_input_tokens
+        if denominator == "weights":
+            return self.global_weights
         return self.global_samples
 
     def with_micro_batches(self, micro_batches: Sequence[MicroBatchCounts]) -> WindowCounts:
@@ -109,6 +122,8 @@ def gather_window_counts(
             int(error is not None),
             *((micro_batches[0].num_tokens, micro_batches[0].num_samples, micro_batches[0].num_input_tokens)
               if micro_batches else (0, 0, 0)),
+            sum(mb.weight_sum is not None for mb in micro_batches),
+            _float_bits(sum(mb.weight_sum or 0.0 for mb in micro_batches)),
         ],
         dtype=torch.int64,
         device=device,
@@ -122,7 +137,16 @@ def gather_window_counts(
             f"Rank(s) {failed} could not count their micro-batches of this optimizer step (see the error on those "
             "ranks); every rank stops here rather than wait for them."
         )
+    num_weighted = int(rows[:, _WEIGHTED].sum())
+    if 0 < num_weighted < int(rows[:, _MICRO_BATCHES].sum()):
+        raise GradAccDataError(
+            f"{num_weighted} of the {int(rows[:, _MICRO_BATCHES].sum())} micro-batches of this optimizer step (over "
+            "every rank) carry `loss_weights`, the others none: the step's denominator would mix weights and counts. "
+            "Give every sample a weight (1.0 for an unweighted one), or drop the column."
+        )
     return WindowCounts(
+        global_weights=float(rows[:, _WEIGHT_BITS].contiguous().view(torch.float64).sum()),
+        num_weighted_micro_batches=num_weighted,
         micro_batches=tuple(micro_batches),
         global_tokens=int(rows[:, _TOKENS].sum()),
         global_samples=int(rows[:, _SAMPLES].sum()),
@@ -136,6 +160,11 @@ def gather_window_counts(
             num_input_tokens=int(rows[:, _FIRST_INPUT_TOKENS].sum()),
         ),
     )
+
+
+def _float_bits(value: float) -> int:
+    """The 64 bits of the float64 ``value`` as an int64 (to travel in an int64 gather unchanged)."""
+    return int(torch.tensor([value], dtype=torch.float64).view(torch.int64)[0])
 
 
 def split_micro_batches(micro_batches: Sequence[Mapping[str, Any]], max_rows: int) -> list[dict[str, Any]]:
@@ -325,6 +354,11 @@ class Window:
                         "pass: set `defer_normalization=True` (the gradient is scaled once per step), or use "
                         "normalize_by='tokens' / 'samples'."
                     )
+                if term.normalize_by == "weights" and not self.counts.weighted:
+                    raise GradAccLossError(
+                        f"LossTerm {name!r} is normalised by 'weights' but the step's batches have no `loss_weights` "
+                        "column to sum; add it to the dataset (and the data collator), or use 'tokens' / 'samples'."
+                    )
                 if term.normalize_by == "tokens" and not self.counts.labelled:
                     raise GradAccLossError(
                         f"LossTerm {name!r} is normalised by 'tokens' but the batch has no `labels` to count them; "
@@ -340,6 +374,12 @@ class Window:
                 else:
                     parts.append((name, normalize(term.total, global_count, world)))
             return parts
+        if self.counts.weighted:
+            raise GradAccLossError(
+                "compute_loss returned a plain tensor for a step whose batches carry `loss_weights`: a mean cannot be "
+                "re-weighted exactly. Return hf_gradacc.LossTerm(total=<weighted sum>, normalize_by=\"weights\") "
+                "(hf_gradacc.weights.weighted_loss_sum), or drop the column."
+            )
         if warn_on_plain_loss:
             logger.warning_once(
                 "compute_loss returned a plain tensor: GradAccTrainer reads it as the MEAN over the micro-batch's "
@@ -360,6 +400,12 @@ class Window:
     def _streamed_terms(self, parsed: LossOutput, *, primary: str) -> list[tuple[str, torch.Tensor]]:
         """Streamed windows: the ONE denominator all terms share, their sum times the world size."""
         world = self.dp_world_size
+        weighted = any(t.normalize_by == "weights" for t in parsed.terms.values() if isinstance(t.normalize_by, str))
+        if weighted or self.current_counts.weight_sum is not None:
+            raise GradAccConfigError(
+                "`loss_weights` (the 'weights' denominator) cannot be used with `defer_normalization=True`: the weight "
+                "sum is gathered with the counts before the first forward pass. Set `defer_normalization=False`."
+            )
         if parsed.plain is not None:
             kind, custom = primary, 0
             local = self.current_counts.get(primary)

@@ -447,7 +447,7 @@ class PackedCollator:
     cost_model: AttentionCostModel | None = None
     pad_token_id: int = 0
 
-    ACCEPTED_KEYS = ("input_ids", "labels", "attention_mask")
+    ACCEPTED_KEYS = ("input_ids", "labels", "attention_mask", "loss_weights")
     # Columns a dataset carries for the sampler, not for the model: dropped.
     IGNORED_KEYS = ("length",)
 
@@ -460,6 +460,7 @@ class PackedCollator:
         seq_idx: list[int] = []
         offsets = [0]
         rows: list[tuple[list[int], list[int]]] = []
+        weights: list[list[float]] = []  # `loss_weights` per token (a sample's one weight repeated), hf_gradacc.weights
         for index, sample in enumerate(samples):
             extra = sorted(set(sample) - set(self.ACCEPTED_KEYS) - set(self.IGNORED_KEYS))
             if extra:
@@ -482,6 +483,10 @@ class PackedCollator:
                     f"Sample {index} of the micro-batch is padded (its `attention_mask` has zeros); PackedCollator "
                     "packs unpadded samples."
                 )
+            if ("loss_weights" in sample) != ("loss_weights" in samples[0]):
+                raise GradAccDataError(f"Sample {index} of the micro-batch differs from sample 0 in having `loss_weights`.")
+            if "loss_weights" in sample:
+                weights.append(_weights_per_token(sample["loss_weights"], len(ids), index))
             rows.append((ids, [self.ignore_index, *own[1:]]))
             input_ids += ids
             labels += [self.ignore_index, *own[1:]]
@@ -489,7 +494,12 @@ class PackedCollator:
             seq_idx += [index] * len(ids)
             offsets.append(offsets[-1] + len(ids))
         if self.cost_model is not None and not self.cost_model.packs([len(ids) for ids, _ in rows]):
-            return self._padded(rows)
+            batch = self._padded(rows)
+            if weights:
+                batch["loss_weights"] = torch.zeros(batch["labels"].shape, dtype=torch.float32)
+                for row, w in enumerate(weights):
+                    batch["loss_weights"][row, : len(w)] = torch.tensor(w, dtype=torch.float32)
+            return batch
         batch: dict[str, Any] = {
             "input_ids": torch.tensor([input_ids], dtype=torch.long),
             "labels": torch.tensor([labels], dtype=torch.long),
@@ -502,6 +512,8 @@ class PackedCollator:
             batch.update(max_length_q=longest, max_length_k=longest)
         if self.return_seq_idx:
             batch["seq_idx"] = torch.tensor([seq_idx], dtype=torch.int32)
+        if weights:
+            batch["loss_weights"] = torch.tensor([[x for w in weights for x in w]], dtype=torch.float32)
         return batch
 
     def _padded(self, rows: Sequence[tuple[list[int], list[int]]]) -> dict[str, Any]:
@@ -516,6 +528,19 @@ class PackedCollator:
             labels[row, : len(own)] = torch.tensor(own, dtype=torch.long)
             attention_mask[row, : len(ids)] = 1
         return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def _weights_per_token(value: Any, length: int, index: int) -> list[float]:
+    """A sample's ``loss_weights``, one per token: a number (per sample) is repeated over its ``length`` tokens."""
+    values = value.tolist() if torch.is_tensor(value) else value
+    if isinstance(values, (int, float)):
+        return [float(values)] * length
+    if len(values) != length:
+        raise GradAccDataError(
+            f"Sample {index} of the micro-batch has {len(values)} `loss_weights` for {length} input ids: give one "
+            "weight per token, or one number per sample."
+        )
+    return [float(x) for x in values]
 
 
 def packed_sequence_lengths(batch: Mapping[str, Any]) -> list[int]:

@@ -45,7 +45,9 @@ def _row_mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore:
 def full_batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], task: str, ignore: int = -100):
     """The loss of the whole step as the user means it: a mean over every counted item of the full batch."""
     labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "loss_weights")}
+    if "loss_weights" in batch:
+        return _weighted_full_batch_loss(model, inputs, labels, batch["loss_weights"].double(), task, ignore)
     if task == "seq2seq":
         start = model.config.decoder_start_token_id
         dec = torch.full_like(labels, start)
@@ -72,6 +74,36 @@ def full_batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], task
         per = logits.clamp(min=0) - logits * y + torch.log1p(torch.exp(-logits.abs()))
         return per.mean()
     raise GradAccConfigError(f"unknown task {task!r}")
+
+
+def _weighted_full_batch_loss(model, inputs, labels, weights, task: str, ignore: int):
+    """``sum_i w_i loss_i / sum_i w_i`` over the counted targets of the full batch, written out by hand: a per-sample
+    weight ``[B]`` weighs every counted target of its row, a per-token one ``[B, T]`` the label at its own position
+    (the causal LM's target ``labels[:, j]``, predicted at ``j - 1``, has the weight ``weights[:, j]``)."""
+    logits = model(**inputs).logits.double()
+    if task in ("causal_lm", "masked_lm", "token_classification"):
+        if weights.dim() == 1:
+            weights = weights[:, None].expand(labels.shape)
+        if task == "causal_lm":
+            logits, labels, weights = logits[:, :-1, :], labels[:, 1:], weights[:, 1:]
+        logp = torch.log_softmax(logits, dim=-1)
+        counted = labels != ignore
+        nll = -logp.gather(-1, torch.where(counted, labels, 0).unsqueeze(-1)).squeeze(-1)
+        w = torch.where(counted, weights, torch.zeros_like(weights))
+        return (nll * w).sum() / w.sum()
+    if task in ("sequence_classification", "image_classification"):
+        counted = labels != ignore
+        nll = -torch.log_softmax(logits, dim=-1).gather(-1, torch.where(counted, labels, 0)[:, None])[:, 0]
+        w = torch.where(counted, weights, torch.zeros_like(weights))
+        return (nll * w).sum() / w.sum()
+    if task == "regression":
+        per_row = (logits.reshape(-1) - labels.double().reshape(-1)) ** 2
+        return (per_row * weights).sum() / weights.sum()
+    if task == "multi_label_classification":
+        y = labels.double()
+        per = logits.clamp(min=0) - logits * y + torch.log1p(torch.exp(-logits.abs()))
+        return (per.mean(-1) * weights).sum() / weights.sum()
+    raise GradAccConfigError(f"no weighted reference for task {task!r}")
 
 
 def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
