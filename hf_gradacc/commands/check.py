@@ -33,9 +33,10 @@ from typing import Any
 
 from ..errors import GradAccConfigError
 from ._common import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
+from .check_grpo import add_grpo_arguments, check_grpo
 
 # --trainer: transformers' Trainer vs GradAccTrainer, or TRL's trainer vs hf_gradacc's (hf_gradacc.trl)
-TRAINERS: tuple[str, ...] = ("trainer", "sft", "dpo")
+TRAINERS: tuple[str, ...] = ("trainer", "sft", "dpo", "grpo")
 
 
 # ---------------------------------------------------------------------------------------------- argument parsing
@@ -175,6 +176,7 @@ def check_command_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="show transformers' and accelerate's info logs and the Trainer's printed logs",
     )
+    add_grpo_arguments(check)  # --loss-type, for --trainer grpo
     check.set_defaults(handler=check_command)
     return check
 
@@ -294,6 +296,8 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 def check_command(opts: argparse.Namespace) -> int:
     """Run ``hf-gradacc check`` (see ``hf-gradacc check --help``); returns the exit status."""
     _configure_logging(opts.verbose)
+    if opts.trainer == "grpo" or opts.loss_type:  # one row per GRPO loss type
+        return check_grpo(opts, step_kwargs=_step_kwargs, world=_world, setup=_setup, trl_options=_check_trl_options)
     if opts.plot:
         from ..testing.loss_curves import PlotDependencyError, require_matplotlib
 

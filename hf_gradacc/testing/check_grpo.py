@@ -1,0 +1,251 @@
+"""`hf-gradacc check --trainer grpo`: every GRPO ``loss_type``, TRL's GRPOTrainer and GradAccGRPOTrainer, each
+against the float64 full-batch step of :mod:`.grpo_reference` (the loss written from its definition; no TRL code).
+
+One row per loss type. Each trainer trains the built-in tiny policy :data:`NUM_STEPS` SGD(lr=1) steps with
+``steps_per_generation = 2 x gradient_accumulation_steps`` (half a generation batch per step) and ``num_iterations``
+2, so the second step trains on completions the first step's policy generated: the importance ratio is not 1 and
+clipping, soft gates and sequence weights act. Every step is compared with its reference (over every process's
+completions); a row shows each trainer's worst step.
+
+Example:
+    ```python
+    from hf_gradacc.testing.check_grpo import grpo_loss_type_rows
+
+    check = grpo_loss_type_rows(["dapo", "bnpo"], per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                                seed=0, step_kwargs={"use_cpu": True})
+    check.rows[0].ours.relative_error  # <= 1e-5
+    ```
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .check_report import _fill, off_by, verdict
+from .grpo_reference import (
+    GRPO_LOSS_TYPES,
+    GRPOLossSettings,
+    GRPOPolicyRecorder,
+    grpo_step_reference,
+    step_updates,
+    token_ratios,
+)
+
+__all__ = ["GRPOCheck", "GRPORow", "format_grpo_report", "grpo_loss_type_rows", "grpo_summary_line"]
+
+NUM_STEPS = 2
+NUM_ITERATIONS = 2
+NUM_GENERATIONS = 2
+MAX_COMPLETION_LENGTH = 8
+# What each loss type's full-batch step divides by (the report's column; grpo_reference's module docstring).
+NORMALISERS: dict[str, str] = {
+    "grpo": "sequences (token mean each)",
+    "bnpo": "tokens of the step (*)",
+    "dr_grpo": "sequences x max length",
+    "dapo": "tokens of the step",
+    "cispo": "tokens of the step",
+    "sapo": "sequences (token mean each)",
+    "luspo": "sequences (token sum each)",
+    "vespo": "tokens of the step",
+}
+# The settings of each loss type's paper (TRL's defaults otherwise).
+LOSS_CONFIG: dict[str, dict[str, Any]] = {
+    "cispo": {"epsilon_high": 5.0},  # ScaleRL's eps_max (TRL's docstring); the default 0.2 caps every ratio
+    "luspo": {"importance_sampling_level": "sequence"},  # LUSPO (TRL warns otherwise)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GRPORow:
+    """One loss type: each trainer's worst step (:class:`~hf_gradacc.testing.reference.Comparison`), every step's
+    relative error, the share of the last step's completion tokens (GradAccGRPOTrainer's run) whose importance ratio
+    is outside PPO's clip range ``[1 - epsilon, 1 + epsilon_high]``, and stock TRL's distance to ``bnpo`` taken per
+    micro-batch (``None`` for the other loss types)."""
+
+    loss_type: str
+    stock: Any
+    ours: Any
+    stock_steps: tuple[float, ...]
+    ours_steps: tuple[float, ...]
+    clipped_fraction: float
+    stock_to_per_micro_batch: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GRPOCheck:
+    """The rows, hf_gradacc's last trainer (for the set-up lines), and the completions per step over all processes."""
+
+    rows: tuple[GRPORow, ...]
+    trainer: Any
+    completions_per_step: int
+    data_note: str
+
+
+def _all_ranks(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from .check_trl import _all_ranks as gather
+
+    return gather(batches)
+
+
+def grpo_run(
+    trainer_class: type,
+    config_class: type,
+    policy: Any,
+    *,
+    loss_type: str,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int,
+    seed: int,
+    step_kwargs: dict[str, Any],
+    world_size: int = 1,
+    **config: Any,
+) -> tuple[Any, dict[int, Any], list[tuple[int, list[dict[str, Any]]]]]:
+    """Train a copy of ``policy`` :data:`NUM_STEPS` steps; return the trainer, ``{step: update}`` and ``[(step, every
+    process's micro-batches)]``."""
+    from .grpo_steps import grpo_prompts, grpo_tokenizer, length_reward
+    from .one_step import one_step_args
+
+    gas = gradient_accumulation_steps
+    settings = dict(
+        per_device_train_batch_size=per_device_train_batch_size, gradient_accumulation_steps=gas, seed=seed,
+        max_steps=NUM_STEPS, steps_per_generation=2 * gas, num_iterations=NUM_ITERATIONS,
+        num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION_LENGTH, beta=0.0, bf16=False,
+        loss_type=loss_type, **LOSS_CONFIG.get(loss_type, {}),
+    )  # fmt: skip
+    settings.update(step_kwargs)
+    settings.update(config)
+    args = one_step_args(args_class=config_class, **settings)
+    recording = type(f"Recording{trainer_class.__name__}", (GRPOPolicyRecorder, trainer_class), {})
+    num_prompts = per_device_train_batch_size * settings["steps_per_generation"] * world_size // NUM_GENERATIONS
+    trainer = recording(model=copy.deepcopy(policy), reward_funcs=length_reward, args=args,
+                        train_dataset=grpo_prompts(max(num_prompts, 8), seed=seed + 3),
+                        processing_class=grpo_tokenizer())  # fmt: skip
+    trainer.train()
+    steps = [(record.step, _all_ranks(record.micro_batches)) for record in trainer.recorded_steps]
+    return trainer, step_updates(trainer.policies_at_step), steps
+
+
+def grpo_loss_type_rows(
+    loss_types: Sequence[str] = GRPO_LOSS_TYPES,
+    *,
+    per_device_train_batch_size: int = 2,
+    gradient_accumulation_steps: int = 4,
+    seed: int = 0,
+    step_kwargs: dict[str, Any] | None = None,
+    world_size: int = 1,
+) -> GRPOCheck:
+    """For each loss type: GradAccGRPOTrainer's and TRL's :data:`NUM_STEPS` steps, each step against its float64
+    full-batch reference. ``step_kwargs``: extra ``GRPOConfig`` fields (``use_cpu``, ``ddp_backend``, ...)."""
+    import trl
+
+    from .. import trl as gradacc_trl
+    from .grpo_steps import build_tiny_policy
+    from .reference import compare
+
+    policy = build_tiny_policy(seed)
+    common = dict(per_device_train_batch_size=per_device_train_batch_size,
+                  gradient_accumulation_steps=gradient_accumulation_steps, seed=seed,
+                  step_kwargs=dict(step_kwargs or {}), world_size=world_size)  # fmt: skip
+    rows, ours_trainer, completions = [], None, 0
+    for loss_type in loss_types:
+        worst: dict[str, Any] = {}
+        errors: dict[str, tuple[float, ...]] = {}
+        per_micro_batch = None
+        for name, (trainer_class, config_class) in {
+            "ours": (gradacc_trl.GradAccGRPOTrainer, gradacc_trl.GradAccGRPOConfig),
+            "stock": (trl.GRPOTrainer, trl.GRPOConfig),
+        }.items():
+            trainer, updates, steps = grpo_run(trainer_class, config_class, policy, loss_type=loss_type, **common)
+            settings = GRPOLossSettings.from_args(trainer.args)
+            comparisons = []
+            for step, micro_batches in steps:
+                reference = grpo_step_reference(policy, micro_batches, trainer.policies_at_step, step, settings)
+                comparisons.append(compare(updates[step], reference.grads))
+                if name == "stock" and loss_type == "bnpo":
+                    literal = GRPOLossSettings.from_args(trainer.args, bnpo_scope="micro_batch")
+                    by_micro_batch = grpo_step_reference(
+                        policy, micro_batches, trainer.policies_at_step, step, literal
+                    )
+                    error = compare(updates[step], by_micro_batch.grads).relative_error
+                    per_micro_batch = max(per_micro_batch or 0.0, error)
+            worst[name] = max(comparisons, key=lambda c: c.relative_error)
+            errors[name] = tuple(c.relative_error for c in comparisons)
+            if name == "ours":
+                ours_trainer = trainer
+                completions = sum(int(mb["completion_ids"].size(0)) for mb in steps[0][1])
+                last, micro_batches = steps[-1]
+                ratios = token_ratios(policy, micro_batches, trainer.policies_at_step, last)
+                outside = (ratios < 1 - settings.epsilon_low) | (ratios > 1 + settings.epsilon_high)
+                clipped = float(outside.double().mean()) if ratios.numel() else 0.0
+        rows.append(GRPORow(loss_type, worst["stock"], worst["ours"], errors["stock"], errors["ours"], clipped,
+                            per_micro_batch))  # fmt: skip
+    note = (
+        f"{NUM_STEPS} steps of {completions} completions each ({NUM_GENERATIONS} per prompt, at most "
+        f"{MAX_COMPLETION_LENGTH} tokens, mixed lengths), steps_per_generation {2 * gradient_accumulation_steps}, "
+        f"num_iterations {NUM_ITERATIONS}: step 2 trains on step 1's policy's completions (ratio != 1)"
+    )
+    return GRPOCheck(tuple(rows), ours_trainer, completions, note)
+
+
+def grpo_exact(check: GRPOCheck, tolerance: float) -> bool:
+    """Whether GradAccGRPOTrainer is exact on every loss type (and at least one ran)."""
+    return bool(check.rows) and all(r.ours.is_exact(tolerance) for r in check.rows)
+
+
+def format_grpo_report(setup_lines: Sequence[str], check: GRPOCheck, tolerance: float) -> str:
+    """One row per loss type: stock TRL's and GradAccGRPOTrainer's verdict and worst relative error."""
+    lines = [
+        "hf-gradacc check: GRPO, every loss type, TRL's GRPOTrainer and GradAccGRPOTrainer, each step against the",
+        "float64 full-batch step of the loss as its paper / TRL's docstring defines it",
+        "",
+        *setup_lines,
+        "",
+        f"  {'loss_type':<11}{'the full batch divides by':<30}{'GRPOTrainer':<20}{'GradAccGRPOTrainer':<20}"
+        "step 2 tokens clipped",
+    ]
+    for r in check.rows:
+        lines.append(
+            f"  {r.loss_type:<11}{NORMALISERS[r.loss_type]:<30}{verdict(r.stock, tolerance):<8}"
+            f"{r.stock.relative_error:<12.1e}{verdict(r.ours, tolerance):<8}{r.ours.relative_error:<12.1e}"
+            f"{r.clipped_fraction:.0%}"
+        )
+    wrong = [r.loss_type for r in check.rows if not r.stock.is_exact(tolerance)]
+    note = (
+        f"Relative gradient error, worst of the steps (tolerance {tolerance:g}); the last column: the share of step "
+        "2's completion tokens whose importance ratio is outside [1 - epsilon, 1 + epsilon_high]. TRL is off on "
+        f"{', '.join(wrong) if wrong else 'none'} of these loss types here: "
+        "dapo, cispo and vespo divide by the generation batch's tokens rescaled to one step (the step's own count "
+        "only when a generation batch is exactly one step), bnpo by each micro-batch's tokens; the per-sequence "
+        "loss types (grpo, dr_grpo, sapo, luspo) are exact because TRL's micro-batches hold equal numbers of "
+        "completions. GradAccGRPOTrainer divides each micro-batch's sum by the step's count over every process."
+    )
+    lines += ["", _fill(note)]
+    bnpo = next((r for r in check.rows if r.stock_to_per_micro_batch is not None), None)
+    if bnpo is not None:
+        lines += ["", _fill(
+            "(*) bnpo is defined on the split: TRL's docstring normalises it \"over the local batch only\" (one "
+            "micro-batch of one process). GradAccGRPOTrainer takes the whole step, over every process, as that batch "
+            f"(then bnpo is dapo). Stock TRL against the definition taken per micro-batch: "
+            f"{bnpo.stock_to_per_micro_batch:.1e} ({'exact' if bnpo.stock_to_per_micro_batch <= tolerance else 'off'})."
+        )]  # fmt: skip
+    return "\n".join(lines)
+
+
+def grpo_summary_line(check: GRPOCheck, tolerance: float) -> str:
+    """The last line of ``--trainer grpo``."""
+    worst = max(check.rows, key=lambda r: r.ours.relative_error)
+    wrong = [r for r in check.rows if not r.stock.is_exact(tolerance)]
+    not_exact = [r.loss_type for r in check.rows if not r.ours.is_exact(tolerance)]
+    if not_exact:
+        head = (f"hf-gradacc check: GradAccGRPOTrainer is NOT exact on {', '.join(not_exact)} "
+                f"(largest rel err {worst.ours.relative_error:.1e} > {tolerance:g})")  # fmt: skip
+    else:
+        head = (f"hf-gradacc check: GradAccGRPOTrainer is exact on all {len(check.rows)} loss types "
+                f"(largest rel err {worst.ours.relative_error:.1e} <= {tolerance:g})")  # fmt: skip
+    stock = f"stock GRPOTrainer is off on {len(wrong)} of {len(check.rows)}"
+    if wrong:
+        stock += f" (largest {off_by(max(wrong, key=lambda r: r.stock.relative_error).stock)})"
+    return f"{head}; {stock}"
