@@ -146,7 +146,9 @@ class GradAccArguments:
             "help": "Apply the LM head only to the positions whose target counts, in tiles, never materialising "
             "[tokens x vocabulary] logits (exact SUM and gradient). Causal LMs (MoE included) on one process, DDP, "
             "DeepSpeed ZeRO-1/2/3 and FSDP2; seq2seq and masked-LM heads on one process. True: on (an unsupported "
-            "model or setup raises); None (default) and False: off. See docs/memory.md."
+            "model or setup raises); False: off; None (default): automatic, on where a measured cost model predicts "
+            "it faster or the full logits large against the model's training state, off (one INFO line says why) "
+            "where it loses or cannot run. See docs/memory.md."
         },
     )
     regroup_micro_batches: bool = field(

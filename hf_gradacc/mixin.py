@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from transformers.utils import logging
 
-from . import patches
+from . import fused_choice, patches
 from .auxiliary import returns_router_loss, split_model_loss
 from .backends import Backend, resolve_backend
 from .backends.fsdp2 import warn_if_no_full_model
@@ -138,6 +138,7 @@ class GradAccMixin:
         self.backend.check_model(self.model)
         if settings.fused_lm_head:
             check_fused_setting(self)  # ignored (own loss, a warning), runs, or refused: once, not per micro-batch
+        self._fused_choice = fused_choice.initial_choice(self)  # None: automatic, decided on the first optimizer step
         if settings.pack_micro_batches:
             check_packing_support(self.model)  # no silent cross-sample attention
         apply_ddp_timeout(self.args)  # gloo groups made with use_cpu=True miss it (transformers 5.23)
@@ -522,7 +523,7 @@ class GradAccMixin:
         window = self._window
         training = window is not None and window.index is not None
         check = training and self._loss_check_due and self._loss_check is None and window.index == 0
-        fused = bool(training and self.gradacc.fused_lm_head)  # evaluation keeps the logits metrics need
+        fused = training and fused_choice.is_on(self, window)  # evaluation keeps the logits metrics need
         self._fused_head_ran |= fused
         terms, outputs = builtin_loss(
             self.head, model, inputs, denominator=self.primary_denominator, with_model_loss=check, fused_lm_head=fused

@@ -202,21 +202,52 @@ class TensorParallelBackend(FSDP2Backend):
 
     # ---- gradients: DTensors on the (data x tensor) mesh
     def grad_sq_norms(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
-        """Each parameter's full squared gradient norm: a DTensor norm reduced over its whole mesh (one small
-        collective per sharded parameter, every rank, same order)."""
+        """Each parameter's full squared gradient norm, for every DTensor gradient in ONE all-reduce over the world.
+
+        Each rank adds its local shard's sum of squares, weighted by ``pieces / world``: a DTensor on a mesh sharded
+        into ``pieces`` distinct pieces (the product of its ``Shard`` dimensions) has every piece on ``world /
+        pieces`` ranks (its replicated dimensions and the ranks outside its sub-mesh hold copies), so the world's sum
+        is the full norm once. A pending sum (a ``Partial`` placement) is reduced on its own first. Plain tensors are
+        whole on every rank: their norms are local. Every rank calls it with the same parameters, in the same order.
+        """
+        import math
+
+        import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
-        values = []
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        values: list[torch.Tensor] = []
+        sharded: list[bool] = []
+        device = None
         for param in params:
             grad = param.grad
             if grad is None:
                 values.append(torch.zeros((), dtype=torch.float64))
+                sharded.append(False)
+                continue
+            if isinstance(grad, DTensor) and not any(p.is_partial() for p in grad.placements):
+                # every placement but Replicate cuts (Shard, and FSDP2's _StridedShard, for which is_shard() is False)
+                pieces = math.prod(grad.device_mesh.size(d) for d, p in enumerate(grad.placements)
+                                   if not p.is_replicate())  # fmt: skip
+                local = grad.to_local().detach()
+                device = device or local.device
+                values.append(local.double().pow(2).sum().cpu() * (pieces / world))
+                sharded.append(True)
                 continue
             norm = torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)
-            if isinstance(norm, DTensor):
+            if isinstance(norm, DTensor):  # a Partial gradient: its sum first
                 norm = norm.full_tensor()
             values.append(norm.square().cpu())
-        return torch.stack(values) if values else torch.zeros(0, dtype=torch.float64)
+            sharded.append(False)
+        if not values:
+            return torch.zeros(0, dtype=torch.float64)
+        squares = torch.stack(values)
+        if world > 1 and any(sharded):
+            mask = torch.tensor(sharded)
+            summed = torch.where(mask, squares, torch.zeros_like(squares)).to(device)
+            dist.all_reduce(summed)  # one collective for every sharded parameter
+            squares = torch.where(mask, summed.cpu(), squares)
+        return squares
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for p in self._bound().parameters() if p.grad is not None]

@@ -79,6 +79,7 @@ def check_command_parser(subparsers: Any) -> argparse.ArgumentParser:
         opts = parser.parse_args(["check", "--task", "masked_lm"])
         ```
     """
+    from ..testing.check_mesh import parse_distributed_config
     from ..testing.check_scenarios import SCENARIOS
     from ..testing.tiny import TASKS
 
@@ -150,6 +151,16 @@ def check_command_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=1e-5,
         metavar="X",
         help="largest relative gradient error (|update - reference| / |reference|) still called exact",
+    )
+    check.add_argument(
+        "--distributed_config",
+        type=parse_distributed_config,
+        metavar="NAME=N[,NAME=N]",
+        default=None,
+        help="load each tiny model with transformers' from_pretrained(..., distributed_config=DistributedConfig(...)) "
+        "on every rank (tp_size, fsdp_size, dp_replicate_size, ep_size; e.g. tp_size=2,fsdp_size=2 under torchrun "
+        "--nproc_per_node 4): tensor and expert parallelism. A head whose model has no plan for a dimension is "
+        "reported as such",
     )
     check.add_argument("--json", metavar="FILE", default=None, help="also write the setup and numbers to FILE as JSON")
     check.add_argument(
@@ -229,7 +240,8 @@ def _world(step_kwargs: dict[str, Any]) -> tuple[int, bool] | None:
 
 
 def _trainer_pair(
-    model: Any, task: str, samples: list, collator: Any, step_kwargs: dict[str, Any], *, scenario: str, verbose: bool
+    model: Any, task: str, samples: list, collator: Any, step_kwargs: dict[str, Any], *, scenario: str, verbose: bool,
+    distributed_config: dict[str, int] | None = None,
 ) -> tuple[dict[str, Any], Any, dict[str, float]]:
     """ONE step of GradAccTrainer, then of the stock Trainer: their comparisons by name (stock first), GradAccTrainer
     and its first log (the router term's share)."""
@@ -239,13 +251,20 @@ def _trainer_pair(
     from ..testing.check_scenarios import plain_compute_loss
     from ..testing.one_step import compare_with_reference, one_step_args, one_step_update
 
-    results: dict[str, Any] = {}
-    ours, logs = None, {}
     # GradAccTrainer first: its set-up checks (e.g. a model FSDP2 cannot wrap) give a clear error where the stock
     # Trainer would fail deep inside torch.
-    for name, trainer_class in (("GradAccTrainer", GradAccTrainer), ("Trainer", Trainer)):
-        if scenario == "plain_compute_loss":
-            trainer_class = plain_compute_loss(trainer_class)
+    classes = [("GradAccTrainer", GradAccTrainer), ("Trainer", Trainer)]
+    if scenario == "plain_compute_loss":
+        classes = [(name, plain_compute_loss(trainer_class)) for name, trainer_class in classes]
+    if distributed_config:
+        from ..testing.check_mesh import sharded_trainer_pair
+
+        results, ours, logs = sharded_trainer_pair(model, task, samples, collator, step_kwargs, distributed_config,
+                                                   trainer_classes=classes, verbose=verbose)  # fmt: skip
+        return {"Trainer": results["Trainer"], "GradAccTrainer": results["GradAccTrainer"]}, ours, logs
+    results: dict[str, Any] = {}
+    ours, logs = None, {}
+    for name, trainer_class in classes:
         micro_batches: list = []
         with _quiet_stdout(verbose):
             update, trainer = one_step_update(
@@ -279,8 +298,16 @@ def _setup(opts: argparse.Namespace, *, task: str, model_name: str, model: Any, 
         device=str(trainer.args.device),
         seed=opts.seed,
         versions=versions(),
+        data_ranks=_data_ranks(opts, world_size),
         mesh=mesh_from_accelerator(trainer.accelerator, getattr(trainer, "model_wrapped", None)).describe(),
     )
+
+
+def _data_ranks(opts: argparse.Namespace, world_size: int) -> int:
+    """The ranks that hold different samples (the tensor / expert ranks of ``--distributed_config`` hold copies)."""
+    from ..testing.check_mesh import data_ranks
+
+    return data_ranks(getattr(opts, "distributed_config", None), world_size)
 
 
 def _comparisons_json(results: dict[str, Any], tolerance: float) -> dict[str, Any]:
@@ -296,6 +323,13 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 def check_command(opts: argparse.Namespace) -> int:
     """Run ``hf-gradacc check`` (see ``hf-gradacc check --help``); returns the exit status."""
     _configure_logging(opts.verbose)
+    try:
+        from ..testing.check_mesh import check_options
+
+        check_options(opts)
+    except GradAccConfigError as exc:
+        _error(exc)
+        return EXIT_USAGE
     if opts.trainer == "grpo" or opts.loss_type:  # one row per GRPO loss type
         return check_grpo(opts, step_kwargs=_step_kwargs, world=_world, setup=_setup, trl_options=_check_trl_options)
     if opts.plot:
@@ -316,7 +350,8 @@ def _check_every_head(opts: argparse.Namespace) -> int:
     from .. import patches
     from ..errors import GradAccError, UnsupportedBackendError
     from ..testing import check_report as report
-    from ..testing.check_scenarios import HEAD_CASES, load_check_model, synthetic_samples
+    from ..testing.check_mesh import head_cases
+    from ..testing.check_scenarios import load_check_model, synthetic_samples
     from ..testing.tiny import PaddingCollator
 
     patches.maybe_enable_from_env()
@@ -325,10 +360,10 @@ def _check_every_head(opts: argparse.Namespace) -> int:
     if world is None:
         return EXIT_USAGE
     world_size, is_main = world
-    num_samples = opts.per_device_train_batch_size * opts.gradient_accumulation_steps * world_size
+    num_samples = opts.per_device_train_batch_size * opts.gradient_accumulation_steps * _data_ranks(opts, world_size)
     rows: list[report.HeadResult] = []
     setup = None
-    for case in HEAD_CASES:
+    for case in head_cases(opts.distributed_config):
         loaded = load_check_model(task=case.task, scenario=case.scenario, seed=opts.seed)
         row = report.HeadResult(
             key=case.key, options=case.options, task=case.task, model_class=type(loaded.model).__name__
@@ -337,7 +372,7 @@ def _check_every_head(opts: argparse.Namespace) -> int:
         try:
             results, trainer, _ = _trainer_pair(
                 loaded.model, loaded.task, samples, PaddingCollator(pad_token_id=loaded.pad_token_id), step_kwargs,
-                scenario=case.scenario, verbose=opts.verbose,
+                scenario=case.scenario, verbose=opts.verbose, distributed_config=opts.distributed_config,
             )  # fmt: skip
         except (GradAccConfigError, UnsupportedBackendError, NotImplementedError) as exc:
             # A head this backend cannot take (a model FSDP2 cannot wrap: hf_gradacc's error for BERT, accelerate's
@@ -423,10 +458,11 @@ def _check_one(opts: argparse.Namespace) -> int:
         if opts.trainer == "trainer":
             names = ("GradAccTrainer", "Trainer")
             # Exactly one window for all ranks: every rank builds the same samples, the reference sees all of them.
-            samples = synthetic_samples(task, bs * gas * world_size, opts.seed, model)
+            samples = synthetic_samples(task, bs * gas * _data_ranks(opts, world_size), opts.seed, model)
             num_samples = len(samples)
             results, trainer, router_logs = _trainer_pair(
-                model, task, samples, collator, step_kwargs, scenario=opts.scenario, verbose=opts.verbose
+                model, task, samples, collator, step_kwargs, scenario=opts.scenario, verbose=opts.verbose,
+                distributed_config=opts.distributed_config,
             )
         else:
             from ..testing.check_trl import trl_one_step, trl_trainer_names

@@ -41,6 +41,7 @@ class Setup:
     seed: int
     versions: dict[str, str]
     mesh: str = "single process"
+    data_ranks: int = 0  # ranks that hold different samples, when fewer than world_size (tensor / expert ranks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +160,8 @@ def summary_line(
 def _setup_lines(setup: Setup, data_note: str | None) -> list[str]:
     bs, gas, world = setup.per_device_train_batch_size, setup.gradient_accumulation_steps, setup.world_size
     processes = f"{world} process" + ("es" if world != 1 else "")
+    if 0 < setup.data_ranks < world:  # the tensor / expert ranks hold copies of the data ranks' samples
+        processes = f"{setup.data_ranks} data rank" + ("s" if setup.data_ranks != 1 else "") + f" (of {processes})"
     versions_text = ", ".join(f"{k} {v}" for k, v in setup.versions.items() if k != "python")
     return [
         f"  batch     {bs} per device x {gas} accumulation steps x {processes} = {setup.num_samples} samples per step",

@@ -21,16 +21,24 @@ from tests.distributed.launcher import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.scale]
 
-WORKER = Path(__file__).resolve().parent / "workers" / "mesh_tp_cases.py"
+WORKER = Path(__file__).resolve().parent / "workers" / "mesh_sharded_cases.py"
 TOLERANCE = 1e-5
 TASKS = ("causal_lm", "sequence_classification")
+MODELS = {"causal_lm": "llama", "sequence_classification": "llama_seq_cls"}
+TP_FSDP = {"tp_size": 2, "fsdp_size": 2}
 CASES = [
-    *({"name": f"{task}-gradacc", "task": task} for task in TASKS),
-    *({"name": f"{task}-stock", "task": task, "trainer": "stock"} for task in TASKS),
-    {"name": "causal_lm-clipped", "task": "causal_lm", "max_grad_norm": 0.5},
-    {"name": "causal_lm-hook", "task": "causal_lm", "hook": "zero_lm_head"},
-    {"name": "causal_lm-nan", "task": "causal_lm", "hook": "nan"},
-    {"name": "fused-refused", "task": "causal_lm", "settings": {"fused_lm_head": True}, "mode": "setup_error"},
+    *({"name": f"{task}-gradacc", "model": MODELS[task], "sizes": TP_FSDP, "budget": True} for task in TASKS),
+    *({"name": f"{task}-stock", "model": MODELS[task], "sizes": TP_FSDP, "trainer": "stock", "budget": True}
+      for task in TASKS),
+    {"name": "causal_lm-clipped", "model": "llama", "sizes": TP_FSDP, "max_grad_norm": 0.5, "budget": True},
+    {"name": "causal_lm-clipped-stock", "model": "llama", "sizes": TP_FSDP, "max_grad_norm": 0.5, "trainer": "stock",
+     "budget": True},
+    {"name": "causal_lm-hook", "model": "llama", "sizes": TP_FSDP, "hook": "zero_lm_head"},
+    {"name": "causal_lm-nan", "model": "llama", "sizes": TP_FSDP, "hook": "nan"},
+    {"name": "fused-refused", "model": "llama", "sizes": TP_FSDP, "settings": {"fused_lm_head": True},
+     "mode": "setup_error"},
+    # last: `hf-gradacc check` tears the process group down
+    {"name": "check", "mode": "check", "sizes": TP_FSDP},
 ]
 
 
@@ -88,14 +96,54 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank(results):
         assert rank["num_nonfinite_skipped"] == 1 and rank["max_abs_update"] == 0.0, rank
 
 
-
 def test_fused_lm_head_is_refused_by_name_under_tensor_parallelism(results):
     for rank in results["fused-refused"]:
         assert rank["error_type"] == "UnsupportedBackendError" and "fused_lm_head" in rank["error"], rank
 
 
+ONE_OFF = "all_gather@hf_gradacc:all_gather<agree<train_window"  # the first window's loss check, once per run
+COUNT = "all_gather@hf_gradacc:all_gather<gather_window_counts<prefetched"
+FLAG = "all_reduce@hf_gradacc:agreed_nonfinite<must_skip<optimizer_step"
+NORM = "all_reduce@hf_gradacc:grad_sq_norms<clip_grad_norm<optimizer_step"
+
+
+@pytest.mark.parametrize(("ours", "stock"), [("causal_lm-gradacc", "causal_lm-stock"),
+                                             ("sequence_classification-gradacc", "sequence_classification-stock"),
+                                             ("causal_lm-clipped", "causal_lm-clipped-stock")])  # fmt: skip
+def test_collectives_the_library_adds_per_step(results, ours, stock):
+    """Every collective of the step (torch.distributed and the functional collectives DTensor uses), by who asked.
+    The library's own: the count all-gather on the data group (in place of the stock Trainer's num_items_in_batch
+    gather), the non-finite flag, ONE all-reduce for every DTensor gradient's norm (was one per sharded parameter),
+    and on the first step the start-up loss check. The model's forward, which our loss calls, is not ours."""
+    [our_step], [stock_step] = results[ours][0]["steps"], results[stock][0]["steps"]
+    library = {k: n for k, n in our_step["calls"].items() if "@hf_gradacc" in k and "builtin_loss" not in k}
+    assert library == {ONE_OFF: 1, COUNT: 1, FLAG: 1, NORM: 1}, our_step
+    # beyond the stock Trainer's step (which gathers its count and reduces its own norm): at most the flag
+    assert our_step["total"] - 1 <= stock_step["total"] + 1, (our_step, stock_step)
+
+
+def test_check_command_runs_on_the_tensor_x_fsdp_mesh(results):
+    """`hf-gradacc check --distributed_config tp_size=2,fsdp_size=2` in the same launch: it names the mesh, counts the
+    samples of the 2 data ranks, runs the heads with a tensor plan and says which heads have none."""
+    ranks = results["check"]
+    assert [r["status"] for r in ranks] == [0] * 4, ranks[0]
+    printed = ranks[0]["stdout"]
+    assert "mesh      TP 2 x FSDP 2" in printed, printed
+    assert "x 2 data ranks (of 4 processes) = 16 samples per step" in printed, printed
+    assert all(r["stdout"] == "" for r in ranks[1:])  # only the main process prints
+    report = ranks[0]["json"]
+    assert report["setup"]["mesh"] == "TP 2 x FSDP 2" and report["is_exact"] is True
+    heads = report["heads"]
+    for key in ("causal_lm", "causal_lm_no_loss_kwargs"):  # tiny Llamas: they have a tensor plan
+        ours = heads[key]["results"]["GradAccTrainer"]
+        assert ours["relative_error"] <= TOLERANCE and ours["is_exact"] is True, (key, ours)
+    assert heads["causal_lm_no_loss_kwargs"]["results"]["Trainer"]["is_exact"] is False
+    for key in ("seq2seq", "masked_lm", "token_classification", "sequence_classification", "image_classification"):
+        assert heads[key]["skipped"].startswith("UnsupportedBackendError: no tensor-parallel plan"), heads[key]
+
+
 TP_ONLY_CASES = [
-    {"name": f"{task}-tp-only", "task": task, "sizes": {"tp_size": 2}} for task in TASKS
+    {"name": f"{task}-tp-only", "model": MODELS[task], "sizes": {"tp_size": 2}} for task in TASKS
 ]
 
 

@@ -53,6 +53,17 @@ def test_ulysses_sequence_parallel_zero2_is_exact():
         assert payload["num_unchanged"] == 0  # every trainable parameter moved
         assert payload["relative_error"] <= TOLERANCE, payload
     assert ranks[0]["relative_error"] == ranks[1]["relative_error"]  # one model after the step
+    # the library's own collectives in the step: the count all-gather, the non-finite flag, the gradient norm's one
+    # all-reduce, and (first step) the start-up loss check; the sequence all-to-alls and gathers are DeepSpeed's
+    for payload in ranks:
+        [step] = payload["steps"]
+        library = {k: n for k, n in step["calls"].items() if "@hf_gradacc" in k}
+        assert library == {
+            "all_gather@hf_gradacc:all_gather<agree<train_window": 1,
+            "all_gather@hf_gradacc:all_gather<gather_window_counts<prefetched": 1,
+            "all_reduce@hf_gradacc:agreed_nonfinite<must_skip<optimizer_step": 1,
+            "all_reduce@hf_gradacc:grad_sq_norms<clip_grad_norm<optimizer_step": 1,
+        }, step
 
 
 def test_ulysses_sequence_parallel_zero3_is_refused_by_name():

@@ -19,10 +19,11 @@ Cases:
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +41,12 @@ COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
     "all_gather_object", "broadcast_object_list", "gather", "scatter", "reduce", "all_to_all", "all_to_all_single",
     "barrier", "all_gather_single", "reduce_scatter_single",
+)
+# torch's functional collectives: what DTensor (FSDP2 / tensor-parallel gradients, their norms) reduces with
+FUNCTIONAL = (
+    "all_reduce", "all_reduce_coalesced", "all_gather_tensor", "all_gather_tensor_autograd", "all_gather_single",
+    "reduce_scatter_tensor", "reduce_scatter_tensor_autograd", "reduce_scatter_single", "all_to_all_single",
+    "all_to_all_single_autograd", "broadcast", "permute_tensor",
 )
 _TORCH = os.path.dirname(torch.__file__)
 
@@ -83,28 +90,47 @@ class Budget(TrainerCallback):
         self.calls: list[tuple[str, str]] = []
         self.buckets = 0
         self.per_step: list[dict[str, Any]] = []
-        self._originals: dict[str, Any] = {}
+        self._originals: dict[tuple[Any, str], Any] = {}
+        self.is_paused = False  # while a test's own callback reads gradients (trainer.grads: its collectives)
         self.trainer: Any = None
 
     def __enter__(self) -> Budget:
-        for name in COLLECTIVES:
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            self._originals[name] = original
+        import torch.distributed._functional_collectives as funcol
 
-            def counted(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
-                origin = _origin()
-                if not origin.startswith("other:mesh_cases.py"):  # the comm hook's own bucket all-reduce: a bucket
-                    self.calls.append((_name, origin))
-                return _original(*args, **kwargs)
+        inside = [False]  # a collective that calls another one is counted once
+        for module, names, prefix in ((dist, COLLECTIVES, ""), (funcol, FUNCTIONAL, "funcol.")):
+            for name in names:
+                original = getattr(module, name, None)
+                if original is None:
+                    continue
+                self._originals[(module, name)] = original
 
-            setattr(dist, name, counted)
+                def counted(*args: Any, _name: str = prefix + name, _original: Any = original, **kwargs: Any) -> Any:
+                    if inside[0] or self.is_paused:
+                        return _original(*args, **kwargs)
+                    origin = _origin()
+                    if not origin.startswith("other:mesh_cases.py"):  # the comm hook's own bucket all-reduce
+                        self.calls.append((_name, origin))
+                    inside[0] = True
+                    try:
+                        return _original(*args, **kwargs)
+                    finally:
+                        inside[0] = False
+
+                setattr(module, name, counted)
         return self
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self.is_paused = True
+        try:
+            yield
+        finally:
+            self.is_paused = False
+
     def __exit__(self, *exc: Any) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
+        for (module, name), original in self._originals.items():
+            setattr(module, name, original)
 
     def on_train_begin(self, args, state, control, **kwargs):
         wrapped = self.trainer.model_wrapped

@@ -31,6 +31,7 @@ from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 from tests.distributed.workers._common import finish_worker, rank, world_size, write_result
+from tests.distributed.workers.mesh_cases import Budget
 
 PER_DEVICE_BATCH = 2
 GRAD_ACC = 4
@@ -84,8 +85,12 @@ def run(trainer_name: str, batch: int) -> dict[str, Any]:
         parallelism_config=parallelism_config(),
     )
     cls = GradAccTrainer if trainer_name == "gradacc" else Trainer
-    trainer = cls(model=model, args=args, train_dataset=ListDataset(samples), data_collator=SequenceCollator())
-    trainer.train()
+    budget = Budget()  # every collective of the step, by who asked (the library's own: its count and its flag)
+    trainer = cls(model=model, args=args, train_dataset=ListDataset(samples), data_collator=SequenceCollator(),
+                  callbacks=[budget])
+    budget.trainer = trainer
+    with budget:
+        trainer.train()
     module = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     update = {n: initial[n] - p.detach().float() for n, p in module.named_parameters()}
     cmp = compare(update, reference)
@@ -95,6 +100,7 @@ def run(trainer_name: str, batch: int) -> dict[str, Any]:
         "cosine": cmp.cosine,
         "global_step": trainer.state.global_step,
         "num_unchanged": sum(int(bool((u == 0).all())) for u in update.values()),
+        "steps": budget.per_step,
     }
 
 
