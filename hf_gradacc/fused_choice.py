@@ -1,0 +1,289 @@
+"""``fused_lm_head=None`` (the default): whether the fused LM head (:mod:`hf_gradacc.fused_head`) runs, decided once
+per run by a measured cost model, as the packing planner prices attention.
+
+Where the fused head cannot run (an overridden ``compute_loss`` / ``compute_loss_func`` / ``training_step``, a head
+or model it does not support, a tensor-parallel ``lm_head``, a seq2seq model that builds its decoder inputs from the
+labels, a streamed window), automatic means off, with one INFO line saying why: never an error or a warning
+(``fused_lm_head=True`` keeps refusing those). Elsewhere the first optimizer step's counts, gathered over every rank
+(so every rank decides alike), give the rows of one micro-batch: ``counted`` (targets that count: the rows the fused
+head projects) and ``positions`` (the rows of the full logits). With the head's ``hidden`` size, ``vocab``, compute
+dtype and device, the model predicts the LM head's forward + backward time both ways::
+
+    full  = mm * positions * hidden * vocab + ce * positions * vocab + spill * max(0, positions * vocab - cached) + call
+    fused = mm' * counted * hidden * vocab + ce' * counted * vocab + (sweep * tiles + buffer) * hidden * vocab + call'
+
+(``spill``: each logit past ``cached``, the fused head's tile size, costs more: the logits no longer stay in cache
+between the passes over them; ``tiles``: the fused head's row tiles, whose weight-gradient updates each sweep ``[vocab x hidden]``; ``buffer``:
+the weight-gradient buffer's one-off cost), and the
+memory both ways (the full logits: ``positions x vocab`` in the compute dtype, their float32 copy and the saved
+log-softmax; the fused head: its float32 weight-gradient buffer and one tile). The fused head is on where it is
+predicted faster (at most ``SPEED_MARGIN`` of the full logits' time), or where the full logits would hold at least ``MEMORY_SHARE`` of the model's training state
+(parameters, gradients, two Adam moments) more than the fused head and it costs at most ``MEMORY_TIME_ALLOWANCE``
+times the full logits' time. The factors were fitted by ``benchmarks/fused_choice_fit.py`` (process CPU time of one
+thread; docs/memory.md has the rule, the inputs and the factors).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+# The fused head must be predicted at most this many times the full logits' time to be on for speed (the fit's error
+# at the shapes where both are close; docs/memory.md).
+SPEED_MARGIN = 0.9
+# Full logits must hold this share of the training state more than the fused head for memory alone to turn it on,
+MEMORY_SHARE = 0.5
+# and then the fused head may cost up to this many times the full logits' time.
+MEMORY_TIME_ALLOWANCE = 1.25
+FP32_BYTES = 4
+# Logits past this many (the fused head's tile: 32 MiB of float32) leave the cache between the passes over them.
+CACHED_LOGITS = 2**23
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostFactors:
+    """Seconds per unit of each term of the cost model (see the module docstring), fitted on one device and dtype."""
+
+    full_matmul: float
+    full_softmax: float
+    full_spill: float
+    full_call: float
+    fused_matmul: float
+    fused_softmax: float
+    fused_sweep: float
+    fused_buffer: float
+    fused_call: float
+    fitted_on: str = ""
+
+
+# BEGIN FITTED (benchmarks/fused_choice_fit.py --write rewrites this block)
+FACTORS: dict[tuple[str, str], CostFactors] = {
+    ("cpu", "float32"): CostFactors(
+        full_matmul=4.121e-11,
+        full_softmax=4.433e-09,
+        full_spill=8.605e-09,
+        full_call=6.207e-05,
+        fused_matmul=3.925e-11,
+        fused_softmax=4.792e-09,
+        fused_sweep=7.792e-10,
+        fused_buffer=0,
+        fused_call=0.0002067,
+        fitted_on="2026-11-26, torch 2.13.0+cpu, 1 thread, 18 shapes",
+    ),
+}
+# END FITTED
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeadShape:
+    """One micro-batch's LM head: its rows both ways (means over the first optimizer step), and its sizes."""
+
+    counted: float
+    positions: float
+    hidden: int
+    vocab: int
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FusedChoice:
+    """The run's decision: ``enabled``, why, and the predicted numbers behind it (None where nothing was priced)."""
+
+    enabled: bool
+    reason: str
+    shape: HeadShape | None = None
+    full_seconds: float | None = None
+    fused_seconds: float | None = None
+    full_bytes: float | None = None
+    fused_bytes: float | None = None
+
+    def message(self) -> str:
+        """The one INFO line logged when the run decides."""
+        state = "on" if self.enabled else "off"
+        if self.shape is None:
+            return f"fused_lm_head=None (automatic): off, {self.reason}."
+        s = self.shape
+        return (
+            f"fused_lm_head=None (automatic): {state}, {self.reason}: per micro-batch {s.counted:.0f} counted rows "
+            f"of {s.positions:.0f} positions, hidden {s.hidden}, vocabulary {s.vocab}, {s.dtype} on {s.device}; "
+            f"LM head predicted {self.fused_seconds * 1e3:.3g} ms fused vs {self.full_seconds * 1e3:.3g} ms full "
+            f"logits ({self.fused_seconds / self.full_seconds:.2f}x), {self.fused_bytes / 2**20:.0f} MiB vs "
+            f"{self.full_bytes / 2**20:.0f} MiB. Set `fused_lm_head=True` or `False` to choose."
+        )
+
+
+def factors_for(device: str, dtype: str) -> CostFactors:
+    """The fitted factors of ``device`` / ``dtype``; those of the CPU in float32 where none were fitted."""
+    return FACTORS.get((device, dtype)) or FACTORS.get((device, "float32")) or FACTORS[("cpu", "float32")]
+
+
+def tiles_of(counted: float, vocab: int) -> int:
+    """The fused head's row tiles for ``counted`` rows (each one sweep of the weight-gradient buffer)."""
+    from .fused_head import tile_rows_for
+
+    return max(1, math.ceil(counted / tile_rows_for(vocab)))
+
+
+def predict_seconds(shape: HeadShape, factors: CostFactors) -> tuple[float, float]:
+    """``(full, fused)``: the LM head's predicted forward + backward seconds per micro-batch."""
+    h, v = shape.hidden, shape.vocab
+    logits = shape.positions * v
+    full = (
+        factors.full_matmul * logits * h
+        + factors.full_softmax * logits
+        + factors.full_spill * max(0.0, logits - CACHED_LOGITS)
+    )
+    fused = (
+        factors.fused_matmul * shape.counted * h * v
+        + factors.fused_softmax * shape.counted * v
+        + factors.fused_sweep * tiles_of(shape.counted, v) * h * v
+        + factors.fused_buffer * h * v
+    )
+    return full + factors.full_call, fused + factors.fused_call
+
+
+def predict_bytes(shape: HeadShape) -> tuple[float, float]:
+    """``(full, fused)``: the LM head's predicted transient memory per micro-batch."""
+    from .fused_head import tile_rows_for
+
+    per_logit = _dtype_bytes(shape.dtype) + 2 * FP32_BYTES  # logits, their float32 copy / gradient, log-softmax
+    tile = min(shape.counted, tile_rows_for(shape.vocab))
+    return shape.positions * shape.vocab * per_logit, FP32_BYTES * shape.hidden * shape.vocab + tile * shape.vocab * per_logit
+
+
+def choose(shape: HeadShape, *, state_bytes: float, factors: CostFactors | None = None) -> FusedChoice:
+    """The cost model's verdict for ``shape`` (see the module docstring); ``state_bytes``: the model's parameters,
+    gradients and optimizer moments.
+
+    Example:
+        ```python
+        shape = HeadShape(counted=900, positions=2000, hidden=64, vocab=151936)
+        choose(shape, state_bytes=300e6).enabled  # True: the full logits would dwarf the training state
+        ```
+    """
+    factors = factors or factors_for(shape.device, shape.dtype)
+    full_s, fused_s = predict_seconds(shape, factors)
+    full_b, fused_b = predict_bytes(shape)
+    if fused_s <= SPEED_MARGIN * full_s:
+        enabled, reason = True, "predicted faster"
+    elif full_b - fused_b >= MEMORY_SHARE * state_bytes and fused_s <= MEMORY_TIME_ALLOWANCE * full_s:
+        enabled, reason = True, f"the full logits would need {MEMORY_SHARE:g}x the training state or more"
+    else:
+        enabled, reason = False, "predicted slower, and the full logits are small"
+    return FusedChoice(
+        enabled=enabled,
+        reason=reason,
+        shape=shape,
+        full_seconds=full_s,
+        fused_seconds=fused_s,
+        full_bytes=full_b,
+        fused_bytes=fused_b,
+    )
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype, torch.float32)).element_size()
+
+
+def auto_problem(trainer: Any) -> str | None:
+    """Why automatic cannot turn the fused head on for ``trainer`` (at construction), or None: each of the setups
+    ``fused_lm_head=True`` refuses or ignores, in words."""
+    from .fused_head import fused_support_problem
+    from .heads import unwrap_model
+
+    name = type(trainer).__name__
+    if trainer._custom_compute_loss:
+        return f"{name} computes its loss itself (an overridden `compute_loss` or a `compute_loss_func`)"
+    if trainer._custom_training_step:
+        return f"{name} overrides `training_step`"
+    if trainer.gradacc.defer_normalization:
+        return "`defer_normalization=True` streams the micro-batches: the step's counts are not known before they run"
+    sizes = getattr(trainer.backend, "_sizes", None) or {}
+    if sizes.get("tp", 1) > 1:
+        return f"the LM head is sharded by tensor parallelism (`tp_size` {sizes['tp']})"
+    problem = fused_support_problem(trainer.model, trainer.head.type, distributed=trainer.backend.dp_world_size > 1)
+    if problem is not None:
+        return problem
+    base = unwrap_model(trainer.model)
+    if trainer.head.type == "seq2seq" and not hasattr(base, "prepare_decoder_input_ids_from_labels"):
+        return f"{type(base).__name__} builds its decoder inputs from the labels"
+    return None
+
+
+def shape_of(trainer: Any, window: Any) -> HeadShape:
+    """The LM head of ``trainer`` on one micro-batch of ``window`` (a prefetched window, counted over every rank)."""
+    from .heads import unwrap_model
+
+    base = unwrap_model(trainer.model)
+    counts = window.counts
+    num = max(sum(counts.num_micro_batches_per_rank), 1)
+    counted = counts.global_tokens / num
+    # the full logits' rows: every input position of a causal or masked LM; a seq2seq model's decoder rows are not
+    # counted, so there the counted targets stand for them (the fused head then wins only by its tiles)
+    positions = (counts.global_positions / num if trainer.head.type != "seq2seq" else 0) or counted
+    weight = getattr(base.get_output_embeddings(), "weight", None)
+    if torch.is_tensor(weight) and weight.dim() == 2 and weight.numel() > 0:
+        vocab, hidden = (int(n) for n in weight.shape)
+    else:  # sharded or adapted: the config's sizes
+        text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+        vocab, hidden = int(text.vocab_size), int(text.hidden_size)
+    args = trainer.args
+    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else str(weight.dtype if torch.is_tensor(weight) else torch.float32)
+    return HeadShape(
+        counted=counted,
+        positions=positions,
+        hidden=hidden,
+        vocab=vocab,
+        dtype=dtype.removeprefix("torch."),
+        device=torch.device(args.device).type,
+    )
+
+
+def training_state_bytes(model: torch.nn.Module) -> float:
+    """Parameters, gradients and two optimizer moments of ``model``'s trainable parameters (float32 moments)."""
+    total = 0.0
+    for p in model.parameters():
+        if p.requires_grad:
+            total += p.numel() * (2 * p.element_size() + 2 * FP32_BYTES)
+    return total
+
+
+def initial_choice(trainer: Any) -> FusedChoice | None:
+    """At construction: the decision where the setting or the setup makes it (``True`` / ``False``, or automatic
+    where the fused head cannot run, logged), or None when automatic decides on the first optimizer step."""
+    setting = trainer.gradacc.fused_lm_head
+    if setting is not None:
+        return FusedChoice(enabled=bool(setting), reason=f"`fused_lm_head={setting}`")
+    problem = auto_problem(trainer)
+    if problem is None:
+        return None
+    choice = FusedChoice(enabled=False, reason=problem)
+    logger.info(choice.message())
+    return choice
+
+
+def decide(trainer: Any, window: Any) -> FusedChoice:
+    """Automatic, on the first optimizer step: the cost model on that step's counts (gathered over every rank, so
+    every rank decides alike), logged once on the main process."""
+    if window is None or window.streamed:
+        choice = FusedChoice(enabled=False, reason="the step's counts are not known before its micro-batches run")
+    else:
+        choice = choose(shape_of(trainer, window), state_bytes=training_state_bytes(trainer.model))
+    if trainer.args.process_index == 0:
+        logger.info(choice.message())
+    return choice
+
+
+def is_on(trainer: Any, window: Any) -> bool:
+    """Whether the fused head runs on this training micro-batch: the run's decision, made by :func:`decide` on the
+    first optimizer step when automatic (``trainer._fused_choice`` None until then)."""
+    if trainer._fused_choice is None:
+        trainer._fused_choice = decide(trainer, window)
+    return trainer._fused_choice.enabled
