@@ -1,6 +1,7 @@
 """The meshes GradAccTrainer refuses, by name: models sharded at load time by transformers' ``DistributedConfig``
-with pipeline parallelism or an expert-parallel layout not shown exact, accelerate's context parallelism, and
-sequence parallelism outside DeepSpeed Ulysses (ZeRO-1/2; ZeRO-3 is refused in the DeepSpeed backend).
+with pipeline parallelism or an expert-parallel layout not shown exact, accelerate's context parallelism outside
+FSDP2 (or beside tensor / sequence parallelism), and sequence parallelism outside DeepSpeed Ulysses (ZeRO-1/2;
+ZeRO-3 is refused in the DeepSpeed backend).
 
 Apart from :mod:`hf_gradacc.backends.tensor_parallel` so that every backend's ``check_model`` and ``resolve_backend``
 can ask it without an import cycle.
@@ -121,14 +122,17 @@ def check_model_sharding(model: torch.nn.Module | None) -> Any | None:
 
 
 def check_context_parallel(parallelism_config: Any, *, distributed_type: Any = None) -> None:
-    """Raise :class:`~hf_gradacc.UnsupportedBackendError` for accelerate's context parallelism (``cp_size`` > 1), and
-    for sequence parallelism (``sp_size`` > 1) anywhere but under DeepSpeed with ``sp_backend="deepspeed"``.
+    """Raise :class:`~hf_gradacc.UnsupportedBackendError` for the context- and sequence-parallel meshes GradAccTrainer
+    does not train: context parallelism (``cp_size`` > 1) anywhere but under FSDP2 with ``tp_size`` 1 and
+    ``sp_size`` 1, and sequence parallelism (``sp_size`` > 1) anywhere but under DeepSpeed with
+    ``sp_backend="deepspeed"``.
 
-    The stock Trainer shards each micro-batch's sequences inside its own ``training_step``
-    (``Trainer._prepare_context_parallel_inputs`` and accelerate's ``maybe_context_parallel``); GradAccTrainer's
-    ``training_step`` replaces that one and does not call them, so every context-parallel rank would compute whole
-    sequences: a run that "works", with none of the memory context parallelism is for. The count rule for it is
-    ready (:func:`hf_gradacc.counting.context_parallel_shard`, tested on simulated shards).
+    Context parallelism is trained through the Trainer's own entry (``Trainer._prepare_context_parallel_inputs`` and
+    accelerate's ``maybe_context_parallel``, see :mod:`hf_gradacc.context_parallel`): each rank counts the targets of
+    its chunks of every sequence, the count is summed over every rank (data x context), and the loss is scaled by the
+    ranks FSDP2 averages over (accelerate shards over ``dp_shard_cp``: data x context, every process). The head,
+    attention and settings it cannot hold are refused at construction by
+    :func:`hf_gradacc.context_parallel.context_parallel_for`.
 
     DeepSpeed Ulysses sequence parallelism is trained: the Trainer wraps the dataloader in DeepSpeed's
     ``UlyssesSPDataLoaderAdapter`` (each rank gets a slice of every sequence and ``shift_labels`` made from the whole
@@ -137,7 +141,7 @@ def check_context_parallel(parallelism_config: Any, *, distributed_type: Any = N
 
     Example:
         ```python
-        check_context_parallel(trainer.accelerator.parallelism_config, distributed_type=DistributedType.DEEPSPEED)
+        check_context_parallel(trainer.accelerator.parallelism_config, distributed_type=DistributedType.FSDP)
         ```
     """
     sp_size = int(getattr(parallelism_config, "sp_size", None) or 1)
@@ -150,10 +154,21 @@ def check_context_parallel(parallelism_config: Any, *, distributed_type: Any = N
             "`parallelism_config_sp_size: 1` (`ParallelismConfig(sp_size=1)`)."
         )
     size = int(getattr(parallelism_config, "cp_size", None) or 1)
-    if size > 1:
+    if size <= 1:
+        return
+    tp_size = int(getattr(parallelism_config, "tp_size", None) or 1)
+    why = None
+    if not str(distributed_type).endswith("FSDP"):
+        why = (f"context parallelism runs under FSDP2 only (accelerate shards the model over `dp_shard_cp`), not "
+               f"{distributed_type}; use an FSDP config with `fsdp_version: 2` (examples/accelerate_configs/cp_fsdp2.yaml)")  # fmt: skip
+    elif tp_size > 1:
+        why = f"with `tp_size` {tp_size} (tensor x context parallelism) the count and loss scale are not shown exact"
+    elif sp_size > 1:
+        why = f"with `sp_size` {sp_size} (sequence x context parallelism) the count and loss scale are not shown exact"
+    elif getattr(parallelism_config, "cp_backend", "torch") not in (None, "torch"):
+        why = f"`cp_backend` is {parallelism_config.cp_backend!r}; only torch's `context_parallel` is trained"
+    if why is not None:
         raise UnsupportedBackendError(
-            f"`parallelism_config.cp_size` ({size}) is not supported by GradAccTrainer yet: its training_step does not "
-            "run the Trainer's context-parallel input sharding, so each rank would compute whole sequences (no "
-            "context parallelism at all). Set `parallelism_config_cp_size: 1` in the accelerate config (or "
-            "`ParallelismConfig(cp_size=1)`); for long sequences use `fused_lm_head` or packing meanwhile."
+            f"`parallelism_config.cp_size` ({size}) is not supported by GradAccTrainer here: {why}. Or set "
+            "`parallelism_config_cp_size: 1` (`ParallelismConfig(cp_size=1)`)."
         )

@@ -1,0 +1,257 @@
+"""Context parallelism (accelerate's ``parallelism_config.cp_size`` > 1, torch's ``context_parallel``) in the step.
+
+Each sequence of a micro-batch is cut over the ``cp`` ranks, which hold the SAME samples (accelerate deals one
+batch per data rank); attention is computed across them by torch (ring attention, CUDA only in torch 2.13). The
+Trainer's own entry does the cut: ``Trainer._prepare_context_parallel_inputs`` adds ``shift_labels`` made from the
+WHOLE sequence (a shard's last position predicts a token another shard holds) and ``position_ids``, and hands
+``input_ids``, ``labels``, ``shift_labels``, the 2-D ``attention_mask`` and ``position_ids`` to accelerate's
+``maybe_context_parallel``, which shards them in place with torch's head-tail load balancer (``2 x cp_size``
+chunks, rank ``r`` holding chunk ``r`` and chunk ``2 x cp_size - 1 - r``) and drops the attention mask inside
+attention for ``is_causal=True``.
+
+What this module adds, and the trainer asks for:
+
+- :meth:`ContextParallel.count`: what this rank counts is what it will hold: its shard's targets (counted once over
+  the ``cp`` group, summed with every rank's in the step's one collective), its shard's input tokens, and the
+  micro-batch's samples on ``cp`` rank 0 only (every ``cp`` rank holds the same rows). The loss is scaled by the
+  ranks FSDP2 averages over, ``dp_replicate x dp_shard x cp`` (accelerate shards over ``dp_shard_cp``): the backend's
+  ``dp_world_size``, every process when ``tp_size`` is 1 (:func:`hf_gradacc.counting.count_rule`).
+- :meth:`ContextParallel.training_step`: the micro-batch right-padded to a multiple of ``2 x cp_size`` (a padded
+  position has an ignored target and, under causal attention, is seen by no real token), then the Trainer's entry,
+  then the trainer's ``training_step`` inside the context: forward AND backward, as the stock Trainer runs them.
+- :func:`context_parallel_for`: the combinations refused by name at construction (see its docstring).
+
+torch 2.13 cannot shard attention on CPU (``aten._scaled_dot_product_flash_attention_for_cpu`` has no sharding
+strategy), so the CPU tests simulate the shards in one process (tests/unit/test_context_parallel.py) and the run
+itself is in the GPU tier (tests/gpu/test_context_parallel.py, 2 CUDA devices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from transformers.utils import logging
+
+from .counting import LABEL_KEY, PACKED_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, context_parallel_shard
+from .errors import GradAccCompatibilityError, GradAccConfigError, GradAccDataError
+from .loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from .mixin import GradAccMixin
+
+logger = logging.get_logger(__name__)
+
+# The per-position tensors the Trainer's context-parallel entry shards (transformers 5.24
+# `Trainer._prepare_context_parallel_inputs`); any other one would stay whole while these are cut.
+SHARDED_KEYS: tuple[str, ...] = ("input_ids", LABEL_KEY, SHIFT_LABELS_KEY, "attention_mask", "position_ids")
+# What a right pad holds, per key (input ids: any id works, a padded position is seen by no real token).
+_PAD_VALUES = {"input_ids": 0, "attention_mask": 0}
+
+
+def cp_size_of(accelerator: Any) -> int:
+    """``parallelism_config.cp_size`` of ``accelerator`` (1 without a parallelism config)."""
+    return int(getattr(getattr(accelerator, "parallelism_config", None), "cp_size", None) or 1)
+
+
+class ContextParallel:
+    """This rank's place in the context-parallel group, and the step's two context-parallel operations; with ``size``
+    1 (no context parallelism) both leave the micro-batch whole.
+
+    Args:
+        size: ``cp_size`` (1: none).
+        rank: this rank's index in the ``cp`` mesh dimension.
+        ignore_index: the target that is not counted (a padded position's).
+
+    Example:
+        ```python
+        cp = ContextParallel(size=2, rank=1)
+        shard = cp.count_view(batch)                  # what rank 1 holds once torch shards the micro-batch
+        counts = cp.count(batch, head.count)          # its tokens; samples only on cp rank 0
+        ```
+    """
+
+    def __init__(self, *, size: int, rank: int, ignore_index: int = IGNORE_INDEX) -> None:
+        if size < 1 or not 0 <= rank < size:
+            raise GradAccConfigError(f"context-parallel rank {rank} of `cp_size` {size}: expected 0 <= rank < size")
+        self.size, self.rank, self.ignore_index = size, rank, ignore_index
+        self._inside = False  # True while the trainer's training_step runs inside the context
+
+    @property
+    def multiple(self) -> int:
+        """Sequence lengths must be a multiple of this (torch's head-tail balancer: ``2 x cp_size`` chunks)."""
+        return 2 * self.size
+
+    def pad(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """``batch`` with every per-position tensor right-padded to a multiple of ``2 x cp_size`` (labels with
+        ``ignore_index``), after checking that the micro-batch is one torch's context parallelism computes exactly;
+        new tensors (torch shards the buffers in place, the window keeps its own)."""
+        check_micro_batch(batch)
+        width = batch["input_ids"].shape[1]
+        extra = -width % self.multiple
+        out: dict[str, Any] = {}
+        for key, value in batch.items():
+            if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == width:
+                fill = _PAD_VALUES.get(key, self.ignore_index)
+                if key == "position_ids":  # positions go on counting into the padding
+                    tail = value[:, -1:] + torch.arange(1, extra + 1, device=value.device)
+                    out[key] = torch.cat([value, tail.to(value.dtype)], 1)
+                else:
+                    out[key] = F.pad(value, (0, extra), value=fill) if extra else value.clone()
+            else:
+                out[key] = value
+        return out
+
+    def count_view(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """What this rank holds of ``batch`` once the Trainer's entry and torch have sharded it (padded, shifted over
+        the whole sequence, cut by the head-tail layout)."""
+        return context_parallel_shard(self.pad(batch), self.size, self.rank, ignore_index=self.ignore_index)
+
+    def count(self, batch: Mapping[str, Any], count: Callable[..., MicroBatchCounts], *args: Any) -> MicroBatchCounts:
+        """``count(shard, *args)`` (the head's) of this rank's shard: its targets and input tokens, which add up over
+        the ``cp`` group to the whole micro-batch's; its samples on ``cp`` rank 0 only (the ``cp`` ranks hold the same
+        rows). Without context parallelism, ``count(batch, *args)``."""
+        if self.size == 1:
+            return count(batch, *args)
+        counts = count(self.count_view(batch), *args)
+        return counts if self.rank == 0 else replace(counts, num_samples=0)
+
+    def training_step(
+        self, trainer: GradAccMixin, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any
+    ) -> torch.Tensor | None:
+        """Run ``trainer.training_step`` on this rank's shard inside torch's context (forward and backward); None
+        when already inside (the trainer's own call below), so that the caller goes on with the shard, and without
+        context parallelism."""
+        if self._inside or self.size == 1:
+            return None
+        inputs = self.pad(trainer._prepare_inputs(inputs))
+        cp_context, inputs = trainer._prepare_context_parallel_inputs(model, inputs)
+        self._inside = True
+        try:
+            with cp_context():
+                return trainer.training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._inside = False
+
+
+def check_micro_batch(batch: Mapping[str, Any]) -> None:
+    """Raise :class:`~hf_gradacc.GradAccDataError` for a micro-batch torch's context parallelism would compute
+    wrongly or not at all: no ``input_ids``; a packed / padding-free row (``cu_seq_lens_q``, or ``position_ids`` that
+    restart inside a row: attention would cross samples once the mask is dropped); an ``attention_mask`` with padding
+    before a real token (left padding: real tokens would attend to it under ``is_causal=True``); another per-position
+    tensor the Trainer's entry does not shard."""
+    ids = batch.get("input_ids")
+    if not torch.is_tensor(ids) or ids.dim() != 2:
+        raise GradAccDataError(
+            f"Context parallelism (`cp_size` > 1) needs `input_ids` of shape [rows, positions] (keys: {sorted(batch)}): "
+            "the Trainer's context-parallel entry shards them and makes the position ids from them."
+        )
+    if PACKED_KEY in batch or (torch.is_tensor(batch.get("position_ids")) and _restarts(batch["position_ids"])):
+        raise GradAccDataError(
+            "A packed (padding-free) micro-batch under context parallelism: torch's `context_parallel` drops the "
+            "attention mask for plain causal attention, so its samples would attend to each other. Use padded "
+            "micro-batches (turn off `pack_micro_batches` / `DataCollatorWithFlattening` / `padding_free`)."
+        )
+    mask = batch.get("attention_mask")
+    if torch.is_tensor(mask) and mask.dim() == 2 and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise GradAccDataError(
+            "The micro-batch's `attention_mask` has padding before a real token (left padding, or holes): torch's "
+            "`context_parallel` drops the mask for plain causal attention, so real tokens would attend to that "
+            "padding. Pad on the right (`tokenizer.padding_side = \"right\"`)."
+        )
+    width = ids.shape[1]
+    others = sorted(k for k, v in batch.items()
+                    if k not in SHARDED_KEYS and torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == width)  # fmt: skip
+    if others:
+        raise GradAccDataError(
+            f"The micro-batch holds per-position tensors {others} that the Trainer's context-parallel entry does not "
+            f"shard (it shards {list(SHARDED_KEYS)}): the model would get them whole beside sharded input ids. Drop "
+            "them in the data collator."
+        )
+
+
+def _restarts(position_ids: torch.Tensor) -> bool:
+    return position_ids.dim() == 2 and position_ids.shape[1] > 1 and bool((position_ids[:, 1:] <= position_ids[:, :-1]).any())
+
+
+def context_parallel_for(trainer: GradAccMixin, *, size: int | None = None, rank: int | None = None) -> ContextParallel:
+    """The trainer's :class:`ContextParallel` (of size 1 when ``cp_size`` is 1), after refusing by name what is not
+    exact.
+    ``size`` / ``rank``: the ``cp`` group's size and this rank's place in it; by default accelerate's
+    ``parallelism_config.cp_size`` and the ``cp`` mesh dimension (given, for a simulated group in tests).
+
+    The backend check (:func:`hf_gradacc.backends.sharded_model.check_context_parallel`) already admitted only
+    FSDP2 with ``cp_backend="torch"``, ``tp_size`` 1 and ``sp_size`` 1. Refused here, each with its reason:
+
+    - a head other than a causal LM: sequence-level heads pool one position per row, which lives on one shard, and
+      their per-row labels are not a per-position buffer; bidirectional heads (masked LM, token classification,
+      seq2seq) would be trained causally (accelerate forces ``is_causal=True``);
+    - attention other than SDPA (torch shards SDPA only);
+    - ``fused_lm_head=True`` (its start-up row check picks a row per rank: the ``cp`` ranks would run attention on
+      different rows; the automatic choice is set off), ``pack_micro_batches`` (samples would attend to each other), an overridden ``training_step``
+      (it would bypass the context), a mixture-of-experts router term (a function of the whole micro-batch's
+      routing, computed per shard).
+
+    An overridden ``compute_loss`` (or ``compute_loss_func``) runs on the shard and gets a warning: it must take the
+    targets from ``shift_labels`` (never shift ``labels`` itself).
+
+    Example:
+        ```python
+        trainer._cp = context_parallel_for(trainer)   # done by GradAccMixin at construction
+        ```
+    """
+    size = cp_size_of(trainer.accelerator) if size is None else size
+    if size <= 1:
+        return ContextParallel(size=1, rank=0)
+    if not hasattr(trainer, "_prepare_context_parallel_inputs"):
+        import transformers
+
+        raise GradAccCompatibilityError(
+            f"`cp_size` {size}: transformers {transformers.__version__} has no `Trainer._prepare_context_parallel_inputs`"
+            ", the entry GradAccTrainer shards a micro-batch through. Use transformers >= 5.24, or `cp_size: 1`."
+        )
+    from .heads import unwrap_model
+
+    settings, head = trainer.gradacc, trainer.head
+    base = unwrap_model(trainer.model)
+    config = getattr(base, "config", None)
+    why = None
+    if head.type != "causal_lm":
+        why = (
+            f"the model's head is {head.type!r}: under context parallelism each rank holds chunks of every sequence and "
+            "attention is forced causal, so only causal LMs are computed exactly (a sequence-level head pools one "
+            "position, which lives on one shard; a bidirectional head would be trained causally)"
+        )
+    elif getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+        why = (f"attention is {config._attn_implementation!r}: torch's context parallelism shards SDPA only; load the "
+               "model with `attn_implementation=\"sdpa\"`")  # fmt: skip
+    elif settings.fused_lm_head:
+        why = ("`fused_lm_head=True`: its start-up check runs one row per rank, and the cp ranks must run attention on "
+               "the same rows; set `fused_lm_head=False`")  # fmt: skip
+    elif settings.pack_micro_batches:
+        why = "`pack_micro_batches=True`: the packed samples would attend to each other; set it to False"
+    elif trainer._custom_training_step:
+        why = (f"{type(trainer).__name__} overrides `training_step`, which would run outside the context-parallel "
+               "context; put the extra work in `compute_loss`")  # fmt: skip
+    elif getattr(config, "output_router_logits", False):
+        why = ("the model returns a router load-balancing term, a function of the routing of the whole micro-batch, "
+               "which each shard would compute on its chunks only; set `output_router_logits=False`")  # fmt: skip
+    if why is not None:
+        raise GradAccConfigError(f"`parallelism_config.cp_size` ({size}) cannot be trained exactly here: {why}.")
+    if getattr(trainer, "_fused_choice", False) is None:  # `fused_lm_head=None`, automatic: off, for the reason above
+        from .fused_choice import FusedChoice
+
+        trainer._fused_choice = FusedChoice(enabled=False, reason=(
+            f"context parallelism (`cp_size` {size}): the fused head's start-up check runs one row per rank"))  # fmt: skip
+    if trainer._custom_compute_loss:
+        logger.warning_once(
+            "Context parallelism with an overridden `compute_loss` / `compute_loss_func`: it runs on this rank's "
+            "chunks of each sequence. Take the targets from `inputs['shift_labels']` (made from the whole sequence), "
+            "never shift `labels` yourself (a chunk's last target lives on another rank)."
+        )
+    if rank is None:
+        rank = int(trainer.accelerator.torch_device_mesh["cp"].get_local_rank())
+    return ContextParallel(size=size, rank=rank, ignore_index=head.ignore_index)

@@ -1,0 +1,353 @@
+"""Context parallelism (accelerate ``cp_size`` > 1) on a mesh simulated in ONE process.
+
+torch 2.13 cannot shard attention on CPU, so the ``cp`` ranks are simulated: one GradAccTrainer per ``cp`` rank, in
+threads of this process, each running its micro-batches through the Trainer's real context-parallel entry
+(``Trainer._prepare_context_parallel_inputs``) into a stand-in for accelerate's ``maybe_context_parallel`` that does
+what torch's ``context_parallel`` does to the buffers (torch's own head-tail load balancer, the buffers cut in place)
+and to attention (the model sees the whole sequence with plain causal attention, the mask dropped as accelerate's
+hook drops it, and returns this rank's positions only: ring attention's result). The step's one count collective
+is an exchange between the threads, and FSDP2's average over ``dp_shard_cp`` the mean of the ranks' updates.
+
+Exactness against hf_gradacc/testing/reference.py (float64, full batch, the padding mask, no code shared with the
+trainer): relative gradient error <= 1e-5 in float32, mixed lengths, heavy padding, masked prompts.
+The end-to-end run on CUDA ranks is tests/gpu/test_context_parallel.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.tensor.experimental._context_parallel._load_balancer import _create_default_load_balancer
+from transformers import Trainer, TrainerCallback
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from hf_gradacc import GradAccTrainer
+from hf_gradacc.backends.sharded_model import check_context_parallel
+from hf_gradacc.context_parallel import ContextParallel, check_micro_batch, context_parallel_for
+from hf_gradacc.counting import count_micro_batch
+from hf_gradacc.errors import GradAccConfigError, GradAccDataError, GradAccLossError, UnsupportedBackendError
+from hf_gradacc.testing.one_step import one_step_args
+from hf_gradacc.testing.reference import compare, reference_gradients
+from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
+
+TOLERANCE = 1e-5
+BS, GA = 2, 3
+
+
+# ---------------------------------------------------------------------------------------------- what torch does
+def torch_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The positions ``rank`` holds after torch's ``context_parallel``: the buffer gathered in the order of torch's
+    default load balancer (none when the length does not split into 2 x cp chunks), then cut in ``cp`` equal pieces."""
+    balancer = _create_default_load_balancer(seq_len, cp, "cpu")
+    order = balancer._generate_indices()[0].long() if balancer is not None else torch.arange(seq_len)
+    return order.view(cp, -1)[rank]
+
+
+@contextlib.contextmanager
+def simulated_context_parallel(model, cp, rank, buffers, buffer_seq_dims, no_restore_buffers=None):
+    """accelerate's ``maybe_context_parallel`` on one simulated rank: the buffers cut in place as torch cuts them
+    (position ids are the Trainer's last buffer, input ids its first); attention over the whole sequence, causal,
+    without the mask (accelerate's hook), and only this rank's positions out, the model's own loss on them."""
+    assert all(d == 1 for d in buffer_seq_dims)
+    mine = torch_positions(buffers[0].shape[1], cp, rank)
+    full_ids, full_positions = buffers[0].clone(), buffers[-1].clone()
+    for buffer in buffers:
+        shard = buffer.index_select(1, mine).clone()
+        buffer.resize_(shard.shape)
+        buffer.copy_(shard)
+    stash = {}
+
+    def whole_sequence(_module, args, kwargs):
+        stash.clear()
+        stash.update({k: kwargs.pop(k) for k in ("labels", "shift_labels") if kwargs.get(k) is not None})
+        return args, {**kwargs, "input_ids": full_ids, "position_ids": full_positions, "attention_mask": None}
+
+    def this_ranks_positions(module, _args, output):
+        output.logits = output.logits.index_select(1, mine)
+        if stash:  # the model's own loss, as on the GPU: from this rank's logits and targets
+            output.loss = ForCausalLMLoss(output.logits, stash.get("labels"), module.config.vocab_size,
+                                          shift_labels=stash.get("shift_labels"))  # fmt: skip
+        return output
+
+    hooks = [model.register_forward_pre_hook(whole_sequence, with_kwargs=True),
+             model.register_forward_hook(this_ranks_positions)]  # fmt: skip
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+class Exchange:
+    """The count collective between the simulated ranks (threads): every rank's tensor, stacked in rank order."""
+
+    def __init__(self, size: int) -> None:
+        self.slots: list[torch.Tensor | None] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=300)
+
+    def all_gather(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        self.slots[rank] = tensor.detach().clone()
+        self.barrier.wait()
+        out = torch.stack([s.to(tensor.device) for s in self.slots])
+        self.barrier.wait()
+        return out
+
+
+class _Counts(TrainerCallback):
+    def __init__(self) -> None:
+        self.windows = []
+
+    def on_window_counted(self, args, state, control, window=None, **kwargs):
+        self.windows.append((window.global_count("tokens"), window.counts.global_samples,
+                             [mb.num_tokens for mb in window.counts.micro_batches]))  # fmt: skip
+
+
+def simulate_rank(trainer, cp: int, rank: int, exchange: Exchange, *, cp_object=None) -> None:
+    """Put ``trainer`` on simulated ``cp`` rank ``rank``: its ContextParallel, the Trainer's real entry with a
+    context-parallel accelerator stand-in, the exchange as its count collective, FSDP2's average over ``cp`` ranks
+    (the backend's ``dp_world_size``) and no DDP sync (one process)."""
+    assert trainer._cp.size == 1  # a one-process trainer: no context parallelism until simulated
+    assert context_parallel_for(trainer, size=cp, rank=rank).size == cp  # the construction-time checks and settings
+    assert getattr(trainer, "_fused_choice", None) is None or not trainer._fused_choice.enabled  # automatic: off
+    trainer._cp = cp_object or ContextParallel(size=cp, rank=rank)
+    stand_in = SimpleNamespace(
+        _attn_mask_causal_checked=False,
+        accelerator=SimpleNamespace(
+            parallelism_config=SimpleNamespace(cp_enabled=True, cp_backend="torch", cp_size=cp),
+            maybe_context_parallel=lambda **kw: simulated_context_parallel(trainer.model, cp, rank, **kw),
+        ),
+    )
+    trainer._prepare_context_parallel_inputs = lambda model, inputs: Trainer._prepare_context_parallel_inputs(
+        stand_in, model, inputs
+    )
+    backend_class = type(trainer.backend)
+
+    class SimulatedFSDP2(backend_class):
+        dp_world_size = property(lambda self: cp)  # FSDP2 averages over dp_shard_cp: the cp ranks here
+
+        def sync_context(self, *, is_last):
+            return contextlib.nullcontext()
+
+        def all_gather(self, tensor):
+            return exchange.all_gather(rank, tensor)
+
+    trainer.backend.__class__ = SimulatedFSDP2
+
+
+def cp_step(model, samples, cp: int, *, cp_class=ContextParallel, **gradacc_args):
+    """One SGD(lr=1) step of GradAccTrainer on ``cp`` simulated ranks; returns the mean update (FSDP2's average) and
+    each rank's recorded counts."""
+    exchange, results, errors = Exchange(cp), [None] * cp, []
+    trainers = []
+    for rank in range(cp):
+        args = one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=GA,
+                             train_sampling_strategy="sequential")  # fmt: skip
+        counts = _Counts()
+        trainer = GradAccTrainer(model=copy.deepcopy(model), args=args, train_dataset=ListDataset(samples),
+                                 data_collator=PaddingCollator(), callbacks=[counts], gradacc_args=gradacc_args)  # fmt: skip
+        simulate_rank(trainer, cp, rank, exchange, cp_object=cp_class(size=cp, rank=rank))
+        trainers.append((trainer, counts))
+
+    def run(rank):
+        trainer, counts = trainers[rank]
+        try:
+            initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            trainer.train()
+            results[rank] = ({n: initial[n] - p.detach() for n, p in trainer.model.named_parameters()}, counts.windows)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(error)
+            exchange.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(cp)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    mean = {n: sum(r[0][n] for r in results) / cp for n in results[0][0]}
+    return mean, [r[1] for r in results]
+
+
+def full_count(samples) -> int:
+    collate = PaddingCollator()
+    return sum(count_micro_batch(collate(samples[i : i + BS]), "causal_lm").num_tokens for i in range(0, len(samples), BS))
+
+
+# ---------------------------------------------------------------------------------------------- the step
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_step_on_simulated_ranks_is_the_full_batch_step(cp):
+    """Each rank counts its chunks' targets; the count summed over the cp ranks is the whole step's, every sample
+    counted once; the mean of the ranks' updates (FSDP2's average) is the float64 full-batch gradient."""
+    model = build_tiny_model("causal_lm")
+    assert model.config._attn_implementation == "sdpa"
+    samples = make_samples("causal_lm", BS * GA, seed=5)
+    update, windows = cp_step(model, samples, cp)
+    result = compare(update, reference_gradients(model, samples, "causal_lm", PaddingCollator()))
+    assert result.relative_error <= TOLERANCE, result
+    assert all(n in update and update[n].abs().sum() > 0 for n, _ in model.named_parameters())
+    (global_tokens, global_samples, _), *_ = windows[0]
+    assert global_tokens == full_count(samples) and global_samples == len(samples)
+    assert all(w[0][:2] == (global_tokens, global_samples) for w in windows)  # every rank: the same global count
+    assert len({tuple(w[0][2]) for w in windows}) > 1  # ... from different local counts: each rank its own chunks
+
+
+class _CountsWholeSequence(ContextParallel):
+    """Planted bug: cp dropped from the counted dimensions (each cp rank counts the whole micro-batch)."""
+
+    def count_view(self, batch):
+        view = self.pad(batch)
+        return {**view, "shift_labels": torch.nn.functional.pad(view["labels"], (0, 1), value=-100)[:, 1:]}
+
+
+class _ShiftsInsideTheShard(ContextParallel):
+    """Planted bug: each rank shifts its own chunks (a chunk's last position counted with the next chunk's first
+    label, the target that lives on another rank lost)."""
+
+    def count_view(self, batch):
+        view = super().count_view(batch)
+        return {k: v for k, v in view.items() if k != "shift_labels"}
+
+
+@pytest.mark.parametrize(("bug", "low", "high"), [(_CountsWholeSequence, 0.49, 0.51), (_ShiftsInsideTheShard, 1.01, 1.5)])
+def test_cp_step_fails_with_the_planted_count_bugs(bug, low, high):
+    """Each planted bug moves the update off the reference (the start-up loss check, which would stop the first one
+    at once, is off here to see the gradient)."""
+    model = build_tiny_model("causal_lm")
+    samples = make_samples("causal_lm", BS * GA, seed=5)
+    update, windows = cp_step(model, samples, 2, cp_class=bug, check_loss_at_start=False)
+    result = compare(update, reference_gradients(model, samples, "causal_lm", PaddingCollator()))
+    assert result.relative_error > 1e-2
+    assert low <= result.norm_ratio <= high
+    # the whole sequence counted on both ranks: half the gradient; targets lost at the chunk edges: too large
+    assert windows[0][0][0] != full_count(samples)
+
+
+def test_start_up_check_stops_a_whole_sequence_count_on_a_shard():
+    model = build_tiny_model("causal_lm")
+    with pytest.raises(GradAccLossError, match="differs from the model's own loss"):
+        cp_step(model, make_samples("causal_lm", BS * GA, seed=5), 2, cp_class=_CountsWholeSequence)
+
+
+# ---------------------------------------------------------------------------------------------- the count view
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_count_view_is_what_the_trainer_entry_and_torch_give_each_rank(cp):
+    """ContextParallel.count_view (what a rank counts) equals the Trainer's entry + torch's cut (what it trains on),
+    tensor for tensor; the shards' targets add up to the micro-batch's, its samples counted on cp rank 0 only."""
+    for seed in range(3):
+        batch = PaddingCollator()(make_samples("causal_lm", 5, seed=seed))
+        whole = count_micro_batch(batch, "causal_lm")
+        tokens = samples = 0
+        for rank in range(cp):
+            helper = ContextParallel(size=cp, rank=rank)
+            view = helper.count_view(batch)
+            stand_in = SimpleNamespace(_attn_mask_causal_checked=True, accelerator=SimpleNamespace(
+                parallelism_config=SimpleNamespace(cp_enabled=True, cp_backend="torch"),
+                maybe_context_parallel=contextlib.nullcontext))  # fmt: skip
+            model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+            context, inputs = Trainer._prepare_context_parallel_inputs(stand_in, model, helper.pad(batch))
+            mine = torch_positions(inputs["input_ids"].shape[1], cp, rank)
+            assert inputs["input_ids"].shape[1] % (2 * cp) == 0
+            assert set(view) == set(inputs)
+            for key, value in inputs.items():
+                torch.testing.assert_close(view[key], value.index_select(1, mine), rtol=0, atol=0, msg=key)
+            counts = helper.count(batch, count_micro_batch, "causal_lm")
+            tokens, samples = tokens + counts.num_tokens, samples + counts.num_samples
+        assert (tokens, samples) == (whole.num_tokens, whole.num_samples)
+
+
+def test_padding_to_the_chunk_multiple_changes_no_count():
+    batch = PaddingCollator()(make_samples("causal_lm", 4, seed=1))
+    width = batch["input_ids"].shape[1]
+    padded = ContextParallel(size=4, rank=0).pad(batch)
+    assert padded["input_ids"].shape[1] % 8 == 0 and padded["input_ids"].shape[1] - width < 8
+    assert count_micro_batch(padded, "causal_lm").num_tokens == count_micro_batch(batch, "causal_lm").num_tokens
+    assert padded["input_ids"] is not batch["input_ids"]  # torch cuts buffers in place: never the window's own
+
+
+# ---------------------------------------------------------------------------------------------- refused by name
+def test_micro_batches_cp_cannot_compute_are_refused_by_name():
+    batch = PaddingCollator()(make_samples("causal_lm", 3, seed=2))
+    check_micro_batch(batch)
+    left = {**batch, "attention_mask": batch["attention_mask"].flip(1)}
+    with pytest.raises(GradAccDataError, match="padding_side"):
+        check_micro_batch(left)
+    width = batch["input_ids"].shape[1]
+    packed = {**batch, "position_ids": torch.arange(width).remainder(5).expand(3, -1)}
+    with pytest.raises(GradAccDataError, match="packed"):
+        check_micro_batch(packed)
+    with pytest.raises(GradAccDataError, match="token_type_ids"):
+        check_micro_batch({**batch, "token_type_ids": torch.zeros_like(batch["input_ids"])})
+
+
+def test_sequence_classification_cannot_be_sharded():
+    """What CP does to a sequence-level head: its label is one per row, not per position: torch's cut of the
+    Trainer's buffers fails on it (and the pooled position would live on one shard). Refused by name instead."""
+    batch = PaddingCollator()(make_samples("sequence_classification", 4, seed=1))
+    batch["input_ids"] = torch.nn.functional.pad(batch["input_ids"], (0, -batch["input_ids"].shape[1] % 4))
+    stand_in = SimpleNamespace(_attn_mask_causal_checked=True, accelerator=SimpleNamespace(
+        parallelism_config=SimpleNamespace(cp_enabled=True, cp_backend="torch"),
+        maybe_context_parallel=contextlib.nullcontext))  # fmt: skip
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+    with pytest.raises(IndexError):  # the stock entry shifts the per-row labels as if they were per position
+        Trainer._prepare_context_parallel_inputs(stand_in, model, dict(batch))
+    with pytest.raises(GradAccConfigError, match="sequence_classification"):
+        context_parallel_for(_fake_trainer(head_type="sequence_classification"))
+
+
+def _fake_trainer(**changes):
+    settings = dict(head_type="causal_lm", attn="sdpa", fused_lm_head=False, pack_micro_batches=False,
+                    custom_step=False, router=False)  # fmt: skip
+    settings.update(changes)
+    config = SimpleNamespace(_attn_implementation=settings["attn"], output_router_logits=settings["router"])
+    mesh = {"cp": SimpleNamespace(get_local_rank=lambda: 1)}
+    return SimpleNamespace(
+        accelerator=SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=2), torch_device_mesh=mesh),
+        _prepare_context_parallel_inputs=None,
+        gradacc=SimpleNamespace(fused_lm_head=settings["fused_lm_head"], pack_micro_batches=settings["pack_micro_batches"]),
+        head=SimpleNamespace(type=settings["head_type"], ignore_index=-100),
+        model=SimpleNamespace(config=config),
+        _custom_training_step=settings["custom_step"],
+        _custom_compute_loss=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"head_type": "masked_lm"}, "masked_lm"),
+        ({"attn": "eager"}, "sdpa"),
+        ({"fused_lm_head": True}, "fused_lm_head"),
+        ({"pack_micro_batches": True}, "pack_micro_batches"),
+        ({"custom_step": True}, "training_step"),
+        ({"router": True}, "output_router_logits"),
+    ],
+)
+def test_settings_cp_cannot_hold_are_refused_at_construction(change, match):
+    with pytest.raises(GradAccConfigError, match=match):
+        context_parallel_for(_fake_trainer(**change))
+
+
+def test_a_causal_lm_gets_its_rank_in_the_cp_group():
+    cp = context_parallel_for(_fake_trainer())
+    assert (cp.size, cp.rank, cp.multiple) == (2, 1, 4)
+
+
+def test_backend_check_admits_cp_under_fsdp2_only():
+    from accelerate.utils import DistributedType
+
+    fsdp = DistributedType.FSDP
+    check_context_parallel(SimpleNamespace(cp_size=2, tp_size=1, sp_size=1, cp_backend="torch"), distributed_type=fsdp)
+    check_context_parallel(SimpleNamespace(cp_size=2, dp_shard_size=2), distributed_type=fsdp)
+    for config, dist_type, match in (
+        (SimpleNamespace(cp_size=2), DistributedType.MULTI_GPU, "FSDP2 only"),
+        (SimpleNamespace(cp_size=2), DistributedType.DEEPSPEED, "FSDP2 only"),
+        (SimpleNamespace(cp_size=2, tp_size=2), fsdp, "tp_size"),
+    ):
+        with pytest.raises(UnsupportedBackendError, match=match):
+            check_context_parallel(config, distributed_type=dist_type)
