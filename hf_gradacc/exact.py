@@ -13,9 +13,11 @@ The mechanism, in three steps, all on the instance, before ``train()``:
    ``Trainer.compute_loss`` is not an override: the mixin's built-in loss replaces it.
 2. **The setup.** ``GradAccMixin._setup_gradacc(gradacc_args)``, the part of ``GradAccMixin.__init__`` that runs
    after ``Trainer.__init__`` (settings, head, backend, step state, callbacks): the ONE setup path of both.
-3. **TRL.** An instance of TRL's ``SFTTrainer``, ``DPOTrainer``, ``RewardTrainer`` or ``GRPOTrainer`` (or of a
-   subclass that overrides none of the methods hf_gradacc.trl replaces) gets ``hf_gradacc.trl``'s class in front
-   instead of the bare mixin; its setup runs the same refusals as its constructor.
+3. **TRL.** An instance of TRL's ``SFTTrainer``, ``DPOTrainer``, ``RewardTrainer``, ``GRPOTrainer``, and (TRL >= 1.16)
+   ``KTOTrainer``, ``RLOOTrainer`` or ``DistillationTrainer`` (or of a subclass that overrides none of the methods
+   hf_gradacc.trl replaces) gets ``hf_gradacc.trl``'s class in front instead of the bare mixin; its setup runs the same
+   refusals as its constructor. TRL's experimental trainers (``trl.experimental``: online DPO, GKD, ORPO, ...) are
+   refused by name.
 
 What cannot be made exact is refused, naming the way out: an object that is not a `Trainer`, a trainer whose
 ``train()`` has started, a class that replaces a step the mixin must own (``training_step``, ``get_batch_samples``,
@@ -45,6 +47,9 @@ TRL_TRAINERS: dict[str, str] = {
     "DPOTrainer": "GradAccDPOTrainer",
     "RewardTrainer": "GradAccRewardTrainer",
     "GRPOTrainer": "GradAccGRPOTrainer",
+    "KTOTrainer": "GradAccKTOTrainer",
+    "RLOOTrainer": "GradAccRLOOTrainer",
+    "DistillationTrainer": "GradAccDistillationTrainer",
 }
 # Steps the mixin runs itself, without calling super(): a class that overrides them would silently lose its version.
 _OWNED_STEPS = ("training_step", "get_batch_samples", "_run_epoch")

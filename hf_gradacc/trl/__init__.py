@@ -1,5 +1,5 @@
-"""TRL's trainers with :class:`~hf_gradacc.GradAccMixin` in front: exact accumulation for SFT, DPO, reward models
-and GRPO.
+"""TRL's trainers with :class:`~hf_gradacc.GradAccMixin` in front: exact accumulation for SFT, DPO, reward models,
+GRPO, and (TRL >= 1.16) KTO, RLOO and on-policy distillation.
 
 Each trainer keeps TRL's own loss (its fused LM head: no full-vocabulary logits per micro-batch), its data
 preparation, collators, reference model and logged metrics; only the normalisation over the optimizer step changes,
@@ -10,7 +10,15 @@ with the trainer's own rules in the module's docstring:
 - :mod:`hf_gradacc.trl.dpo`: ``GradAccDPOTrainer`` / ``GradAccDPOConfig``, the mean over ALL the step's pairs;
 - :mod:`hf_gradacc.trl.reward`: ``GradAccRewardTrainer`` / ``GradAccRewardConfig``, likewise over pairs;
 - :mod:`hf_gradacc.trl.grpo`: ``GradAccGRPOTrainer`` / ``GradAccGRPOConfig``, the mean over the step's completion
-  tokens or sequences, by ``loss_type``.
+  tokens or sequences, by ``loss_type``;
+- :mod:`hf_gradacc.trl.kto`: ``GradAccKTOTrainer`` / ``GradAccKTOConfig``, the mean over ALL the step's samples with
+  KTO's KL estimate over ALL the step's mismatched pairs (docs/preference.md);
+- :mod:`hf_gradacc.trl.rloo`: ``GradAccRLOOTrainer`` / ``GradAccRLOOConfig``, the mean over the step's completions;
+- :mod:`hf_gradacc.trl.distillation`: ``GradAccDistillationTrainer`` / ``GradAccDistillationConfig``, the mean over the
+  step's completion tokens (docs/distillation.md).
+
+The last three need TRL >= 1.16 (read and tested there): on an older TRL their names are not exported, and asking for
+one raises :class:`TRLDependencyError` naming the version.
 
 A mixture-of-experts model's router load-balancing term (SFT, DPO, GRPO) is taken out of TRL's loss and kept as its
 own term weighted by the micro-batch's routed tokens (:mod:`hf_gradacc.auxiliary`), logged as ``loss/aux``. TRL
@@ -53,7 +61,7 @@ except ImportError as _error:  # pragma: no cover - exercised with trl hidden fr
 
 import trl as _trl  # noqa: E402
 
-from ..compat import SUPPORTED_VERSIONS, is_supported  # noqa: E402
+from ..compat import SUPPORTED_VERSIONS, is_supported, trl_at_least  # noqa: E402
 
 if not is_supported("trl", _trl.__version__):
     raise TRLDependencyError(
@@ -66,14 +74,48 @@ from .grpo import GradAccGRPOConfig, GradAccGRPOTrainer  # noqa: E402
 from .reward import GradAccRewardConfig, GradAccRewardTrainer  # noqa: E402
 from .sft import GradAccSFTConfig, GradAccSFTTrainer  # noqa: E402
 
+# KTO, RLOO and Distillation rest on TRL 1.16's loss code (its fused LM head in KTO, its generation buffer in RLOO and
+# Distillation): exported from that release on.
+TRL_MORE_TRAINERS = "1.16"
+_MORE_TRAINERS = (
+    "GradAccDistillationConfig",
+    "GradAccDistillationTrainer",
+    "GradAccKTOConfig",
+    "GradAccKTOTrainer",
+    "GradAccRLOOConfig",
+    "GradAccRLOOTrainer",
+)
+if trl_at_least(TRL_MORE_TRAINERS):
+    from .distillation import GradAccDistillationConfig, GradAccDistillationTrainer  # noqa: E402
+    from .kto import GradAccKTOConfig, GradAccKTOTrainer  # noqa: E402
+    from .rloo import GradAccRLOOConfig, GradAccRLOOTrainer  # noqa: E402
+
 __all__ = [
     "GradAccDPOConfig",
     "GradAccDPOTrainer",
+    "GradAccDistillationConfig",
+    "GradAccDistillationTrainer",
     "GradAccGRPOConfig",
     "GradAccGRPOTrainer",
+    "GradAccKTOConfig",
+    "GradAccKTOTrainer",
+    "GradAccRLOOConfig",
+    "GradAccRLOOTrainer",
     "GradAccRewardConfig",
     "GradAccRewardTrainer",
     "GradAccSFTConfig",
     "GradAccSFTTrainer",
     "TRLDependencyError",
 ]
+if not trl_at_least(TRL_MORE_TRAINERS):
+    __all__ = [name for name in __all__ if name not in _MORE_TRAINERS]
+
+
+def __getattr__(name: str):
+    if name in _MORE_TRAINERS:
+        raise TRLDependencyError(
+            f"hf_gradacc.trl.{name} needs trl>={TRL_MORE_TRAINERS} (installed {_trl.__version__}): hf_gradacc makes "
+            f"TRL's KTO, RLOO and Distillation trainers exact from that release on. Upgrade TRL "
+            f"(pip install 'trl>={TRL_MORE_TRAINERS},<2')."
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -218,3 +218,36 @@ def with_outputs(result: Any, return_outputs: bool, outputs: Any) -> Any:
 
 def split_outputs(out: Any, return_outputs: bool) -> tuple[torch.Tensor, Any]:
     return (out[0], out[1]) if return_outputs else (out, None)
+
+
+# ---------------------------------------------------------------------------------------------- on-policy trainers
+def agree_on_micro_batches(trainer: Any, num_local: int) -> None:
+    """Every process must prepare as many micro-batches as the others before an on-policy trainer generates (TRL
+    gathers rewards and lengths across processes): one small collective BEFORE generating, so that a process with
+    fewer batches stops every process instead of leaving one waiting in TRL's gather (RLOO, Distillation)."""
+    if trainer.accelerator.num_processes == 1:
+        return
+    local = torch.tensor([num_local], dtype=torch.int64, device=trainer.args.device)
+    per_rank = [int(n) for n in trainer.backend.all_gather(local).reshape(-1).tolist()]
+    if len(set(per_rank)) > 1:
+        raise GradAccDataError(
+            f"The processes hold different numbers of micro-batches in this optimizer step ({per_rank}). "
+            f"{type(trainer).__name__} generates each micro-batch's completions with TRL, which gathers across "
+            "processes, so a process with more would wait forever. Use a map-style dataset (accelerate gives every "
+            "process the same number of batches) or an IterableDataset that yields as many batches on every process."
+        )
+
+
+def with_completion_labels(inputs: Mapping[str, Any], *, ignore_index: int) -> dict[str, Any]:
+    """An on-policy micro-batch (``prompt_ids`` / ``prompt_mask`` / ``completion_ids`` / ``completion_mask``, and
+    ``tool_mask`` when tools ran) plus ``labels``: a leading ignored column (dropped by the causal count's shift), then
+    the completion ids where ``completion_mask x tool_mask`` is 1 and ``ignore_index`` elsewhere, so the window counts
+    exactly the tokens of the loss; plus the forward pass's ``attention_mask`` (prompt then completion). TRL's losses
+    read neither key."""
+    mask = inputs["completion_mask"]
+    if "tool_mask" in inputs:
+        mask = mask * inputs["tool_mask"]
+    targets = inputs["completion_ids"].masked_fill(mask == 0, ignore_index)
+    first = torch.full_like(targets[:, :1], ignore_index)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    return {**inputs, "labels": torch.cat([first, targets], dim=1), "attention_mask": attention_mask}

@@ -16,7 +16,8 @@ import torch
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
-from trl import DPOConfig, DPOTrainer, KTOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+from transformers import Trainer  # noqa: E402
+from trl import DistillationTrainer, DPOConfig, DPOTrainer, KTOTrainer, RLOOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from hf_gradacc import make_exact  # noqa: E402
 from hf_gradacc.errors import GradAccTypeError  # noqa: E402
@@ -98,5 +99,15 @@ def test_a_subclass_that_changes_trls_loss_is_refused(tmp_path) -> None:
 
 
 def test_a_trl_trainer_hf_gradacc_does_not_cover_is_refused() -> None:
-    with pytest.raises(GradAccTypeError, match=r"TRL's KTOTrainer.*does not make exact.*GradAccSFTTrainer"):
-        exact_class(KTOTrainer)
+    # TRL 1.16's online DPO lives in trl.experimental (importing it takes seconds): a class of that module stands in.
+    online_dpo = type("OnlineDPOTrainer", (Trainer,), {"__module__": "trl.experimental.online_dpo.online_dpo_trainer"})
+    with pytest.raises(GradAccTypeError, match=r"TRL's OnlineDPOTrainer.*does not make exact.*GradAccKTOTrainer"):
+        exact_class(online_dpo)
+
+
+def test_kto_rloo_and_distillation_are_mapped() -> None:
+    from hf_gradacc.trl import GradAccDistillationTrainer, GradAccKTOTrainer, GradAccRLOOTrainer
+
+    assert exact_class(KTOTrainer) is GradAccKTOTrainer
+    assert exact_class(RLOOTrainer) is GradAccRLOOTrainer
+    assert exact_class(DistillationTrainer) is GradAccDistillationTrainer

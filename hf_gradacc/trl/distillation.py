@@ -1,0 +1,139 @@
+"""``GradAccDistillationTrainer`` and ``GradAccDistillationConfig``: TRL's on-policy distillation with exact
+accumulation.
+
+TRL's ``DistillationTrainer`` has the student generate completions once per optimizer step (a generation batch of
+``per_device_train_batch_size x gradient_accumulation_steps`` prompts per process) and trains it to match the
+teacher's next-token distribution on them: the generalized Jensen-Shannon divergence of ``beta`` (0: forward KL, 1:
+reverse KL) summed over the completion tokens and divided by the generation batch's completion tokens over every
+process. The full-batch loss of a step is the sum over ALL its counted completion tokens (``completion_mask``, times
+``tool_mask`` when tools ran) over their number.
+
+Here the step's micro-batches are generated and sliced by TRL's own ``_prepare_inputs`` when the step is fetched, and
+each carries ``labels`` marking its counted completion tokens, so that the window counts them over every process in
+its one collective; TRL's normaliser is undone and the micro-batch's sum is divided by the step's count. The two
+agree whenever the generation batch is exactly the step (TRL's design; measured exact for stock TRL on one process
+with unequal completion lengths); they differ where the window is not one generation batch (a short last window of an
+epoch, a process count TRL did not generate for).
+
+Refused: regrouping and packing (the dataloader yields prompts), ``accumulation_schedule`` (TRL generates for a fixed
+number of micro-batches), ``auto_micro_batch`` and ``defer_normalization``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from trl import DistillationConfig, DistillationTrainer
+
+from ..config import GradAccArguments
+from ..errors import GradAccConfigError
+from ..loss import LossTerm
+from ..mixin import GradAccMixin
+from ._common import (
+    agree_on_micro_batches,
+    check_args_class,
+    refuse_uneven_micro_batches,
+    training_window,
+    with_completion_labels,
+)
+
+__all__ = ["GradAccDistillationConfig", "GradAccDistillationTrainer"]
+
+
+@dataclass
+class GradAccDistillationConfig(GradAccArguments, DistillationConfig):
+    """TRL's `DistillationConfig` plus the :class:`~hf_gradacc.GradAccArguments` fields, for
+    :class:`GradAccDistillationTrainer`; every field is a flag with `HfArgumentParser`.
+
+    Example:
+        ```python
+        from hf_gradacc.trl import GradAccDistillationConfig
+
+        args = GradAccDistillationConfig(output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=8,
+                                         beta=0.5, max_completion_length=128)
+        ```
+    """
+
+
+class GradAccDistillationTrainer(GradAccMixin, DistillationTrainer):
+    """TRL's `DistillationTrainer` whose optimizer step over N micro-batches on W ranks equals one full-batch step:
+    the generalized JSD (``beta``; ``temperature``) summed over ALL the step's counted completion tokens over their
+    number, counted by the window over every process.
+
+    Generation (transformers or vLLM), the teacher, TRL's chunked divergence (no full-vocabulary logits) and the
+    logged metrics are TRL's. Refused with the field to change: regrouping and packing, ``accumulation_schedule``,
+    ``auto_micro_batch``, ``defer_normalization``.
+
+    Example:
+        ```python
+        from hf_gradacc.trl import GradAccDistillationConfig, GradAccDistillationTrainer
+
+        args = GradAccDistillationConfig(output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=8,
+                                         beta=0.5)
+        trainer = GradAccDistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=prompts,
+                                             processing_class=tokenizer)
+        trainer.train()
+        ```
+    """
+
+    def __init__(self, *args: Any, gradacc_args: Any = None, **kwargs: Any) -> None:
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        check_args_class(config, DistillationConfig, GradAccDistillationConfig)
+        super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
+
+    def _setup_gradacc(self, gradacc_args: Any) -> None:
+        """The mixin's setup, then what on-policy distillation cannot do (also run by :func:`~hf_gradacc.make_exact`)."""
+        super()._setup_gradacc(gradacc_args)
+        refuse_uneven_micro_batches(self, rows_gathered=True)
+        name = type(self).__name__
+        if self.gradacc.regroups:
+            raise GradAccConfigError(
+                f"`regroup_micro_batches` / `max_tokens_per_micro_batch` / `pack_micro_batches` is not supported by "
+                f"{name}: its dataloader yields generation batches of prompts, whose completions exist only after "
+                "generation. Turn them off."
+            )
+        if self.gradacc.accumulation_schedule is not None:
+            raise GradAccConfigError(
+                f"`accumulation_schedule` is not supported by {name}: TRL generates once per "
+                "`gradient_accumulation_steps` micro-batches. Remove `accumulation_schedule`."
+            )
+
+    # ------------------------------------------------------------------ fetch: generate before counting
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The step's micro-batches, each generated and sliced by TRL's ``_prepare_inputs`` in order (TRL generates
+        once per step and serves slices of its buffer), with ``labels`` marking the counted completion tokens."""
+        generation_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        agree_on_micro_batches(self, len(generation_batches))
+        self.model.train()  # TRL keys generation and its buffer on `model.training`
+        start = time.perf_counter()
+        batches = []
+        for generation_batch in generation_batches:
+            inputs = DistillationTrainer._prepare_inputs(self, generation_batch)
+            self._step += 1  # TRL advances its micro-batch counter in its training_step, which the mixin replaces
+            batches.append(with_completion_labels(inputs, ignore_index=self.head.ignore_index))
+        self._current_train_step_time += time.perf_counter() - start
+        return batches, None
+
+    def _prepare_inputs(self, inputs):
+        """In a training step the micro-batch was prepared when the step was fetched: returned as it is."""
+        window = self.current_window
+        if window is not None and window.index is not None:
+            return inputs
+        return super()._prepare_inputs(inputs)
+
+    # ------------------------------------------------------------------ the loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss of the micro-batch with TRL's normaliser (the generation batch's tokens over the processes)
+        undone: ``LossTerm(divergence sum, "tokens")``. Outside training: TRL's loss, unchanged."""
+        window = training_window(self)
+        if window is None:
+            return DistillationTrainer.compute_loss(
+                self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        out = DistillationTrainer.compute_loss(self, model, inputs, return_outputs=False)
+        # TRL divided the micro-batch's sum by (the generation batch's tokens over every process) / processes.
+        generated = float(inputs["num_items_in_batch"].clamp(min=1.0)) / self.accelerator.num_processes
+        term = LossTerm(total=out * generated, normalize_by="tokens")
+        return (term, None) if return_outputs else term
