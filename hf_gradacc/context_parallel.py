@@ -28,7 +28,7 @@ itself is in the GPU tier (tests/gpu/test_context_parallel.py, 2 CUDA devices).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +70,7 @@ class ContextParallel:
         ```python
         cp = ContextParallel(size=2, rank=1)
         shard = cp.count_view(batch)                  # what rank 1 holds once torch shards the micro-batch
-        counts = cp.count(batch, head.count)          # its tokens; samples only on cp rank 0
+        counts = cp.count(trainer, batch)             # its tokens; samples only on cp rank 0
         ```
     """
 
@@ -110,13 +110,16 @@ class ContextParallel:
         the whole sequence, cut by the head-tail layout)."""
         return context_parallel_shard(self.pad(batch), self.size, self.rank, ignore_index=self.ignore_index)
 
-    def count(self, batch: Mapping[str, Any], count: Callable[..., MicroBatchCounts], *args: Any) -> MicroBatchCounts:
-        """``count(shard, *args)`` (the head's) of this rank's shard: its targets and input tokens, which add up over
-        the ``cp`` group to the whole micro-batch's; its samples on ``cp`` rank 0 only (the ``cp`` ranks hold the same
-        rows). Without context parallelism, ``count(batch, *args)``."""
+    def count(self, trainer: GradAccMixin, batch: Mapping[str, Any]) -> MicroBatchCounts:
+        """The trainer's counts (the head's, and the input tokens `include_num_input_tokens_seen` tracks) of what this
+        rank holds: without context parallelism the micro-batch; with it, this rank's shard: its targets and input
+        tokens, which add up over the ``cp`` group to the micro-batch's, and its samples on ``cp`` rank 0 only (the
+        ``cp`` ranks hold the same rows)."""
+        seen = (trainer.args.include_num_input_tokens_seen, getattr(trainer.model, "main_input_name", "input_ids"),
+                getattr(trainer.processing_class, "pad_token_id", None))  # fmt: skip
         if self.size == 1:
-            return count(batch, *args)
-        counts = count(self.count_view(batch), *args)
+            return trainer.head.count_with_seen_tokens(batch, *seen)
+        counts = trainer.head.count_with_seen_tokens(self.count_view(batch), *seen)
         return counts if self.rank == 0 else replace(counts, num_samples=0)
 
     def training_step(

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from transformers.utils import logging
 
-from . import context_parallel, patches
+from . import context_parallel, fused_choice, patches
 from .auxiliary import returns_router_loss, split_model_loss
 from .backends import Backend, resolve_backend
 from .backends.fsdp2 import warn_if_no_full_model
@@ -138,6 +138,7 @@ class GradAccMixin:
         self.backend.check_model(self.model)
         if settings.fused_lm_head:
             check_fused_setting(self)  # ignored (own loss, a warning), runs, or refused: once, not per micro-batch
+        self._fused_choice = fused_choice.initial_choice(self)  # None: automatic, decided on the first optimizer step
         if settings.pack_micro_batches:
             check_packing_support(self.model)  # no silent cross-sample attention
         self._cp = context_parallel.context_parallel_for(self)  # cp_size > 1: a shard per rank, or refused by name
@@ -417,9 +418,7 @@ class GradAccMixin:
     def _count(self, batch: Mapping[str, Any]) -> MicroBatchCounts:
         """The head's counts, plus the input tokens `include_num_input_tokens_seen` tracks (summed with the counts in
         the step's one collective, not gathered per micro-batch as `Trainer._track_num_input_tokens` does)."""
-        seen = (self.args.include_num_input_tokens_seen, getattr(self.model, "main_input_name", "input_ids"),
-                getattr(self.processing_class, "pad_token_id", None))  # cp: what this rank's shard holds (below)
-        return self._cp.count(batch, self.head.count_with_seen_tokens, *seen)
+        return self._cp.count(self, batch)  # what this rank holds: the whole micro-batch, or its context-parallel shard
 
     # ------------------------------------------------------------------ one micro-batch (Trainer hooks)
     def training_step_context(self) -> contextlib.AbstractContextManager:
@@ -525,7 +524,7 @@ class GradAccMixin:
         window = self._window
         training = window is not None and window.index is not None
         check = training and self._loss_check_due and self._loss_check is None and window.index == 0
-        fused = bool(training and self.gradacc.fused_lm_head)  # evaluation keeps the logits metrics need
+        fused = training and fused_choice.is_on(self, window)  # evaluation keeps the logits metrics need
         self._fused_head_ran |= fused
         terms, outputs = builtin_loss(
             self.head, model, inputs, denominator=self.primary_denominator, with_model_loss=check, fused_lm_head=fused

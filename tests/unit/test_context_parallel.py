@@ -31,6 +31,7 @@ from hf_gradacc.backends.sharded_model import check_context_parallel
 from hf_gradacc.context_parallel import ContextParallel, check_micro_batch, context_parallel_for
 from hf_gradacc.counting import count_micro_batch
 from hf_gradacc.errors import GradAccConfigError, GradAccDataError, GradAccLossError, UnsupportedBackendError
+from hf_gradacc.heads import Head
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
@@ -239,6 +240,8 @@ def test_start_up_check_stops_a_whole_sequence_count_on_a_shard():
 def test_count_view_is_what_the_trainer_entry_and_torch_give_each_rank(cp):
     """ContextParallel.count_view (what a rank counts) equals the Trainer's entry + torch's cut (what it trains on),
     tensor for tensor; the shards' targets add up to the micro-batch's, its samples counted on cp rank 0 only."""
+    counting_trainer = SimpleNamespace(args=SimpleNamespace(include_num_input_tokens_seen="no"), model=None,
+                                       processing_class=None, head=Head(type="causal_lm"))  # fmt: skip
     for seed in range(3):
         batch = PaddingCollator()(make_samples("causal_lm", 5, seed=seed))
         whole = count_micro_batch(batch, "causal_lm")
@@ -256,7 +259,7 @@ def test_count_view_is_what_the_trainer_entry_and_torch_give_each_rank(cp):
             assert set(view) == set(inputs)
             for key, value in inputs.items():
                 torch.testing.assert_close(view[key], value.index_select(1, mine), rtol=0, atol=0, msg=key)
-            counts = helper.count(batch, count_micro_batch, "causal_lm")
+            counts = helper.count(counting_trainer, batch)
             tokens, samples = tokens + counts.num_tokens, samples + counts.num_samples
         assert (tokens, samples) == (whole.num_tokens, whole.num_samples)
 
