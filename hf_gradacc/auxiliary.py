@@ -24,7 +24,9 @@ import torch.nn as nn
 from .errors import GradAccLossError
 from .heads import unwrap_model
 from .loss import LossTerm
+from .moe_balance import StepRouting, router_logits_of, routing_counts
 
+BALANCE_TERM = "aux"  # the load-balancing loss of a decoder-only MoE (`aux_loss`), the one router_balance forms
 # Output key -> (term name, the coefficient the model multiplies it by, as attribute names to look up in order).
 AUX_OUTPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "aux_loss": ("aux", ("router_aux_loss_coef", "aux_loss_coef")),
@@ -48,9 +50,22 @@ def aux_coefficient(model: nn.Module, names: tuple[str, ...]) -> float | None:
     return None
 
 
-def model_aux_terms(model: nn.Module, outputs: Any, num_input_tokens: int) -> dict[str, LossTerm]:
+def model_aux_terms(
+    model: nn.Module,
+    outputs: Any,
+    num_input_tokens: int,
+    *,
+    routing: StepRouting | None = None,
+    attention_mask: Any = None,
+    index: int | None = None,
+) -> dict[str, LossTerm]:
     """The router losses in ``outputs`` (a mixture-of-experts model called with ``output_router_logits``) as loss
     terms normalised by the step's routed tokens; ``{}`` when the model returned none.
+
+    ``routing`` (the step's :class:`~hf_gradacc.moe_balance.StepRouting`, with the micro-batch's ``attention_mask``
+    and ``index``): under ``router_balance="global_batch"`` (its ``global_counts`` set) the ``aux`` term is the
+    micro-batch's share of the step's ONE balance loss (:mod:`hf_gradacc.moe_balance`); otherwise the micro-batch's
+    routing is only recorded there, for ``moe/load_max_over_mean``.
 
     Example:
         ```python
@@ -59,10 +74,24 @@ def model_aux_terms(model: nn.Module, outputs: Any, num_input_tokens: int) -> di
         # {"aux": LossTerm(total=coef * aux * routed, normalize_by="input_tokens")}
         ```
     """
-    return {
-        name: LossTerm(total=value * (coef * num_input_tokens), normalize_by="input_tokens")
-        for name, value, coef in _router_losses(model, outputs)
+    found = _router_losses(model, outputs)
+    terms = {
+        name: LossTerm(total=value * (coef * num_input_tokens), normalize_by="input_tokens") for name, value, coef in found
     }
+    balance = [(value, coef) for name, value, coef in found if name == BALANCE_TERM]
+    if routing is not None and routing.global_counts is not None and balance:
+        value, coef = balance[0]
+        terms[BALANCE_TERM] = term = routing.global_term(outputs, attention_mask, coef, index=index, model_aux=value)
+        own = outputs.get("loss")
+        if torch.is_tensor(own) and own.numel() == 1 and num_input_tokens:
+            # the start-up check compares the model's own loss with the micro-batch's terms: its per-micro-batch
+            # balance term is replaced by this micro-batch's share of the step's one (the formula is checked apart)
+            outputs["loss"] = (own - coef * value + term.total / num_input_tokens).detach()
+    elif routing is not None and balance:
+        logits = router_logits_of(outputs)
+        if logits is not None:
+            routing.add_local(routing_counts(logits, attention_mask, routing.shape))
+    return terms
 
 
 def _router_losses(model: nn.Module, outputs: Any) -> list[tuple[str, torch.Tensor, float]]:

@@ -55,6 +55,8 @@ def builtin_loss(
     denominator: str,
     with_model_loss: bool = False,
     fused_lm_head: bool | None = None,
+    routing: Any = None,
+    micro_batch_index: int | None = None,
 ) -> tuple[dict[str, LossTerm], Any]:
     """``({"main": LossTerm(head's sum, denominator), "aux": ..., ...}, outputs)`` for one micro-batch.
 
@@ -64,6 +66,9 @@ def builtin_loss(
     ``fused_lm_head=True``: the head runs only on the positions whose target counts, in tiles
     (:mod:`hf_gradacc.fused_head`); ``outputs.logits`` is then a placeholder. The start-up check compares the
     model's own loss with the fused one on one row and raises at once. None (the default) is off for now.
+
+    ``routing``: the step's :class:`~hf_gradacc.moe_balance.StepRouting` (``router_balance``), with the running
+    ``micro_batch_index``.
     """
     inputs = dict(inputs)
     labels = inputs.pop(LABEL_KEY, None)
@@ -93,7 +98,8 @@ def builtin_loss(
             "`fused_lm_head=False`, or drop the weights column."
         )
     if fused_lm_head:
-        return _fused_loss(head, model, inputs, labels, shift_labels, denominator=denominator, check=with_model_loss)
+        return _fused_loss(head, model, inputs, labels, shift_labels, denominator=denominator, check=with_model_loss,
+                           routing=routing, micro_batch_index=micro_batch_index)
     outputs = None
     if with_model_loss and labels is not None:
         try:  # the model's own loss from the same forward; a model that cannot compute one is simply not checked
@@ -122,7 +128,8 @@ def builtin_loss(
         terms = {
             MAIN_TERM: LossTerm(total=head.sum_loss(logits_of(outputs), labels, shift_labels), normalize_by=denominator)
         }
-    terms.update(model_aux_terms(model, outputs, input_token_count(inputs)))
+    terms.update(model_aux_terms(model, outputs, input_token_count(inputs), routing=routing,
+                                 attention_mask=inputs.get("attention_mask"), index=micro_batch_index))
     return terms, outputs
 
 
@@ -135,6 +142,8 @@ def _fused_loss(
     *,
     denominator: str,
     check: bool,
+    routing: Any = None,
+    micro_batch_index: int | None = None,
 ) -> tuple[dict[str, LossTerm], Any]:
     ignore = head.ignore_index
     if LABEL_KEY in inputs:  # a seq2seq model that builds its decoder inputs from the labels would compute its loss
@@ -157,7 +166,8 @@ def _fused_loss(
         except GradAccLossError as error:
             raise GradAccLossError(f"{error} (fused_lm_head: compared on the first row with a target)") from None
     terms = {MAIN_TERM: LossTerm(total=result.sum_loss, normalize_by=denominator)}
-    terms.update(model_aux_terms(model, result.backbone, input_token_count(inputs)))
+    terms.update(model_aux_terms(model, result.backbone, input_token_count(inputs), routing=routing,
+                                 attention_mask=inputs.get("attention_mask"), index=micro_batch_index))
     return terms, result.backbone
 
 

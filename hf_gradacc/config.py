@@ -23,6 +23,7 @@ from transformers.utils import logging
 
 from .errors import GradAccConfigError
 from .loss import HEAD_TYPES, IGNORE_INDEX
+from .moe_balance import ROUTER_BALANCES, RouterBalance
 from .schedule import AccumulationSchedule, LrScaling, check_lr_scaling
 
 logger = logging.get_logger(__name__)
@@ -212,6 +213,16 @@ class GradAccArguments:
         },
     )
 
+    router_balance: str = field(
+        default="micro_batch",
+        metadata={
+            "help": "Mixture-of-experts router load-balancing loss: 'micro_batch' (the model's formula per "
+            "micro-batch, weighted by routed tokens: depends on how the step is split) or 'global_batch' (the "
+            "formula applied ONCE to the expert fractions and router probabilities of every routed token of the "
+            "step on every rank, as Qwen trains; one routing pre-pass without gradient per step). See docs/moe.md."
+        },
+    )
+
     resume_data_mismatch: str = field(
         default="error",
         metadata={
@@ -326,6 +337,7 @@ class GradAccSettings:
     accumulation_schedule: AccumulationSchedule | None = None
     lr_scaling: LrScaling = "none"
     resume_data_mismatch: ResumeDataMismatch = "error"
+    router_balance: RouterBalance = "micro_batch"
 
     @property
     def regroups(self) -> bool:
@@ -407,6 +419,7 @@ def resolve_settings(args: TrainingArguments | GradAccArguments, overrides: Any 
     for name, choices in (
         ("zero_reduction", ZERO_REDUCTIONS), ("fsdp_sync", FSDP_SYNCS), ("nonfinite_steps", NONFINITE_STEPS),
         ("resume_data_mismatch", RESUME_DATA_MISMATCHES),
+        ("router_balance", ROUTER_BALANCES),
     ):
         if getattr(settings, name) not in choices:
             raise GradAccConfigError(f"`{name}` ({getattr(settings, name)!r}) must be one of {choices}")

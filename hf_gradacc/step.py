@@ -26,6 +26,7 @@ from transformers.utils import logging
 from .checks import LossCheck, agree
 from .errors import GradAccDataError, GradAccUsageError
 from .memory import halve_rows, is_out_of_memory, release_memory
+from .moe_balance import step_routing
 from .nonfinite import must_skip
 from .window import Window
 
@@ -88,6 +89,7 @@ def train_window(trainer: GradAccMixin, model: nn.Module, window: Window, epoch_
             skip_window(trainer, window)
             return None
     trainer.control = trainer.callback_handler.on_step_begin(trainer.args, trainer.state, trainer.control)
+    window.routing = step_routing(trainer, model, window)  # router_balance="global_batch": the routing pre-pass
     total = run_micro_batches(trainer, model, window, epoch_iterator, num_batches)
     if trainer._loss_check_due:  # every rank joins, with its verdict or none: one collective, once
         agree(trainer._loss_check or LossCheck(), trainer.backend.all_gather, trainer.args.device)
@@ -226,6 +228,7 @@ def optimizer_step(trainer: GradAccMixin, window: Window) -> tuple[torch.Tensor,
         trainer.lr_scheduler.step()
     trainer.backend.zero_grad()
     trainer._term_log.add(window)
+    trainer._moe_log.add(window.routing)
     return grad_norm, learning_rate
 
 def call_event(trainer: GradAccMixin, event: str, **kwargs: Any) -> None:

@@ -254,6 +254,7 @@ class Window:
     streamed_kind: str | None = None
     streamed_custom: int = 0
     error: BaseException | None = None
+    routing: Any = None  # a mixture-of-experts model's routing of the step (hf_gradacc.moe_balance.StepRouting)
 
     # ---------------------------------------------------------------- construction
     @classmethod

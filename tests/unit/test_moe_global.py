@@ -1,0 +1,188 @@
+"""`router_balance="global_batch"`: the router load-balancing loss formed ONCE over every routed token of the step
+(definition B) gives the same update at 8 x 1, 2 x 4 and 1 x 8 micro-batches, exact against the float64 reference
+of B (hf_gradacc.testing.moe_reference, written from the definition), on tiny Mixtral and Qwen3-MoE with mixed
+lengths and padding; a count off by one token, or per-micro-batch fractions, fail the same comparison."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccTrainer
+from hf_gradacc.moe_balance import LOAD_KEY, StepRouting
+from hf_gradacc.testing.moe_reference import global_balance_gradients
+from hf_gradacc.testing.one_step import one_step_args, one_step_update
+from hf_gradacc.testing.reference import compare, reference_gradients
+from hf_gradacc.testing.tiny import MOE_FAMILIES, PaddingCollator, build_tiny_moe, make_samples
+
+TOLERANCE = 1e-5  # the whole update, float32 against float64
+ROUTER_TOLERANCE = 5e-5  # the router weights alone (a small-norm slice; see test_moe.py)
+NUM_SAMPLES = 8
+SPLITS = [(8, 1), (2, 4), (1, 8)]  # (per_device_train_batch_size, gradient_accumulation_steps)
+
+
+def _router(update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: g for n, g in update.items() if n.endswith("mlp.gate.weight")}
+
+
+def _samples():
+    return make_samples("causal_lm", NUM_SAMPLES, seed=27)  # mixed lengths, masked prompts, padding
+
+
+def _train(family: str, bs: int, ga: int, *, coef: float = 0.1, **knobs):
+    model = build_tiny_moe(family, router_aux_loss_coef=coef)
+    args = one_step_args(per_device_train_batch_size=bs, gradient_accumulation_steps=ga, args_class=GradAccConfig,
+                         router_balance="global_batch", **knobs)  # fmt: skip
+    update, trainer = one_step_update(GradAccTrainer, model, _samples(), args)
+    return model, update, trainer
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_global_batch_is_exact_and_split_invariant(family: str) -> None:
+    reference = None
+    for bs, ga in SPLITS:
+        model, update, trainer = _train(family, bs, ga)
+        if reference is None:
+            reference = global_balance_gradients(model, _samples(), PaddingCollator())
+        whole = compare(update, reference)
+        router = compare(_router(update), _router(reference))
+        assert whole.relative_error <= TOLERANCE, (bs, ga, whole)
+        assert router.relative_error <= ROUTER_TOLERANCE, (bs, ga, router)
+        logs = trainer.state.log_history[0]
+        assert logs["loss"] == pytest.approx(logs["loss/main"] + logs["loss/aux"], rel=1e-6) and logs["loss/aux"] > 0
+        assert logs[LOAD_KEY] >= 1.0 and f"{LOAD_KEY}/layer_1" in logs
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_micro_batch_rule_is_not_definition_b(family: str) -> None:
+    """The default per-micro-batch rule at 1 x 8 is far from B (what the reference must tell apart) and exact
+    against its own definition; at 8 x 1 (one micro-batch) both rules are the same step."""
+    model = build_tiny_moe(family, router_aux_loss_coef=0.1)
+    reference_b = global_balance_gradients(model, _samples(), PaddingCollator())
+    micro_batches: list = []
+    args = one_step_args(per_device_train_batch_size=1, gradient_accumulation_steps=8, args_class=GradAccConfig)
+    update, trainer = one_step_update(GradAccTrainer, model, _samples(), args, micro_batches=micro_batches)
+    reference_a = reference_gradients(model, _samples(), "causal_lm", PaddingCollator(), micro_batches=micro_batches)
+    assert compare(_router(update), _router(reference_a)).relative_error <= ROUTER_TOLERANCE
+    assert compare(_router(update), _router(reference_b)).relative_error > 0.1
+    assert trainer.state.log_history[0][LOAD_KEY] >= 1.0  # logged in both modes
+    one = one_step_args(per_device_train_batch_size=8, gradient_accumulation_steps=1, args_class=GradAccConfig)
+    single, _ = one_step_update(GradAccTrainer, model, _samples(), one)
+    assert compare(_router(single), _router(reference_b)).relative_error <= ROUTER_TOLERANCE
+
+
+def _one_token_moved(counts: torch.Tensor) -> torch.Tensor:
+    moved = counts.clone()
+    moved[..., 0] += 1
+    moved[..., 1] -= 1
+    return moved
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_count_off_by_one_token_fails(family: str, monkeypatch) -> None:
+    """One top-k assignment moved between two experts in the step's global count (or each micro-batch's own counts
+    in place of the step's) and the router update leaves the tolerance."""
+    model, exact, _ = _train(family, 2, 4)
+    reference = global_balance_gradients(model, _samples(), PaddingCollator())
+    assert compare(_router(exact), _router(reference)).relative_error <= ROUTER_TOLERANCE
+    # the reference itself tells a one-token difference apart
+    moved_reference = global_balance_gradients(model, _samples(), PaddingCollator(), perturb=_one_token_moved)
+    assert compare(_router(moved_reference), _router(reference)).relative_error > 10 * ROUTER_TOLERANCE
+
+    original = StepRouting.global_term
+
+    def off_by_one(self, *args, **kwargs):
+        if not getattr(self, "_moved", False):
+            self.global_counts = self.global_counts.clone()
+            self.global_counts[-1, 0] += 1
+            self.global_counts[-1, 1] -= 1
+            self._moved = True
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepRouting, "global_term", off_by_one)
+    _, moved, _ = _train(family, 2, 4)
+    assert compare(_router(moved), _router(reference)).relative_error > 10 * ROUTER_TOLERANCE
+
+    def per_micro_batch(self, outputs, attention_mask, coef, *, index, model_aux=None):
+        self.global_counts = self.prepass[index]  # this micro-batch's own f (and R), as the micro_batch rule has
+        return original(self, outputs, attention_mask, coef, index=index, model_aux=model_aux)
+
+    monkeypatch.setattr(StepRouting, "global_term", per_micro_batch)
+    _, local, _ = _train(family, 2, 4)
+    assert compare(_router(local), _router(reference)).relative_error > 10 * ROUTER_TOLERANCE
+
+
+def test_activation_checkpointing_counts_once(monkeypatch) -> None:
+    """With gradient checkpointing the routers run twice per micro-batch in training (forward, recomputation) besides
+    the pre-pass; the step's counts come from the pre-pass and each training forward's returned router logits, never
+    from the recomputation: exact, and the logged load is the same as without checkpointing."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    calls = []
+    original = MixtralTopKRouter.forward
+    monkeypatch.setattr(MixtralTopKRouter, "forward", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    model, plain, plain_trainer = _train("mixtral", 2, 4)
+    assert len(calls) == 2 * 4 * 2  # 2 layers x 4 micro-batches x (pre-pass, forward)
+    calls.clear()
+    _, checkpointed, trainer = _train("mixtral", 2, 4, gradient_checkpointing=True)
+    assert len(calls) == 2 * 4 * 3  # ... and the recomputation
+    reference = global_balance_gradients(model, _samples(), PaddingCollator())
+    assert trainer.model.is_gradient_checkpointing
+    assert compare(checkpointed, reference).relative_error <= TOLERANCE
+    assert compare(_router(checkpointed), _router(reference)).relative_error <= ROUTER_TOLERANCE
+    before, after = plain_trainer.state.log_history[0], trainer.state.log_history[0]
+    assert after[LOAD_KEY] == pytest.approx(before[LOAD_KEY], rel=1e-12)
+
+
+def test_regrouped_is_exact() -> None:
+    model, update, _ = _train("qwen3_moe", 2, 4, regroup_micro_batches=True)
+    reference = global_balance_gradients(model, _samples(), PaddingCollator())
+    assert compare(update, reference).relative_error <= TOLERANCE
+    assert compare(_router(update), _router(reference)).relative_error <= ROUTER_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("knobs", "match"),
+    [
+        ({"defer_normalization": True}, "defer_normalization"),
+        ({"auto_micro_batch": True}, "auto_micro_batch"),
+    ],
+)
+def test_refused_by_name(knobs: dict, match: str) -> None:
+    model = build_tiny_moe("mixtral")
+    args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=4, args_class=GradAccConfig,
+                         router_balance="global_batch", **knobs)  # fmt: skip
+    with pytest.raises(GradAccConfigError, match=rf"router_balance='global_batch'.*{match}"):
+        one_step_update(GradAccTrainer, model, _samples(), args)
+
+
+def test_random_routing_is_refused_by_name() -> None:
+    model = build_tiny_moe("mixtral")
+    model.config.router_jitter_noise = 0.1
+    args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=4, args_class=GradAccConfig,
+                         router_balance="global_batch")  # fmt: skip
+    with pytest.raises(GradAccConfigError, match=r"router_jitter_noise=0.1"):
+        one_step_update(GradAccTrainer, model, _samples(), args)
+
+
+def test_unreadable_router_statistics_are_refused_by_name() -> None:
+    """A model without the `num_experts` / `num_experts_per_tok` its balance loss is called with is refused at
+    construction; one whose own aux_loss is not E x sum f x P of its router logits is refused on its first forward."""
+    args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=4, args_class=GradAccConfig,
+                         router_balance="global_batch")  # fmt: skip
+    model = build_tiny_moe("qwen3_moe")
+    del model.num_experts
+    with pytest.raises(GradAccConfigError, match=r"Qwen3MoeForCausalLM's router statistics cannot be read"):
+        one_step_update(GradAccTrainer, model, _samples(), args)
+
+    class DoubledAux(type(build_tiny_moe("mixtral"))):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+            outputs = super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+            outputs.aux_loss = outputs.aux_loss * 2
+            return outputs
+
+    base = build_tiny_moe("mixtral")
+    doubled = DoubledAux(base.config)
+    doubled.load_state_dict(base.state_dict())
+    with pytest.raises(GradAccConfigError, match=r"own load-balancing loss .* is not E x sum_e f_e x P_e"):
+        one_step_update(GradAccTrainer, doubled, _samples(), args)
