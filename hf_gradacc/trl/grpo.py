@@ -42,7 +42,8 @@ from ._common import (
 __all__ = ["GradAccGRPOConfig", "GradAccGRPOTrainer"]
 
 # What each TRL `loss_type` is a mean over, in the full-batch step: the step's completion tokens, or its sequences
-# (`dr_grpo`: its sequences times `max_completion_length`, a constant folded into the micro-batch's sum).
+# (`dr_grpo`: its sequences times `max_completion_length`, a constant folded into the micro-batch's sum). `bnpo`'s
+# "local batch" (TRL's docstring) is the whole step over every process here: by design TRL's is one micro-batch.
 _GRPO_DENOMINATORS: dict[str, str] = {
     "dapo": "tokens",
     "bnpo": "tokens",
@@ -79,6 +80,9 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
     same completions: each ``loss_type`` is a mean over ALL the step's completion tokens (``dapo``, ``bnpo``,
     ``cispo``, ``vespo``) or sequences (``grpo``, ``dr_grpo``, ``sapo``, ``luspo``), whatever
     ``steps_per_generation`` (below, equal to or above ``gradient_accumulation_steps``) and ``num_iterations``.
+    ``bnpo``, which TRL's docstring normalises by the tokens of the "local batch" (one micro-batch of one process),
+    takes the whole step over every process as that batch: a ``bnpo`` step is then a ``dapo`` step, whatever the split
+    (docs/rl.md; every loss type against its definition: ``hf-gradacc check --trainer grpo``).
 
     The step's micro-batches are generated, scored and sliced by TRL's own ``_prepare_inputs`` when they are fetched,
     in order, before the first forward pass (the policy has not moved yet within a step, so the completions are the

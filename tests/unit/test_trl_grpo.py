@@ -16,6 +16,9 @@ Measured (TRL 1.16, CPU, float32; ``python -m pytest -q -s tests/unit/test_trl_g
 0.042 (spg 8); ``bnpo`` 0.18 / 0.31 / 0.32; ``grpo``, ``dr_grpo``, ``sapo``, ``luspo`` exact (TRL's slices hold equal
 rows); entropy bonus (coef 0.3) 2.6e-3 to 3.6e-3 where the policy term is exact; Mixtral router term (coef 0.5) 0.051;
 two ``bnpo`` steps against TRL with the whole step in one micro-batch 0.48 / 0.50 (hf_gradacc 2.1e-7 / 3.5e-7).
+
+Every loss type over two steps, the second off-policy (``num_iterations`` 2, the float64 reference recomputing the old
+policy of the generation step): tests/unit/test_grpo_loss_types.py.
 """
 
 from __future__ import annotations
