@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,8 +59,20 @@ def data_ranks(sizes: dict[str, int] | None, world_size: int) -> int:
     return sizes.get("dp_replicate_size", 1) * sizes.get("fsdp_size", 1)
 
 
-def check_options(opts: argparse.Namespace) -> None:
-    """Refuse what ``--distributed_config`` cannot be combined with (raises :class:`GradAccConfigError`)."""
+def check_options(opts: argparse.Namespace, env: dict[str, str] | None = None) -> None:
+    """Refuse what ``--distributed_config`` cannot be combined with, and a sequence-parallel launch (raises
+    :class:`GradAccConfigError`)."""
+    env = dict(os.environ) if env is None else env
+    sp_size = env.get("PARALLELISM_CONFIG_SP_SIZE", "1").strip()
+    if sp_size.isdigit() and int(sp_size) > 1:
+        # Ulysses needs position_ids and one sequence width on every rank (the adapter all-gathers the batches);
+        # the stock Trainer's loss fails on CPU with more than one row per device. Not built into check yet.
+        raise GradAccConfigError(
+            f"`hf-gradacc check` does not run under sequence parallelism yet (`parallelism_config_sp_size: {sp_size}` "
+            "in the accelerate config): its synthetic batches have no `position_ids` and their own widths, which "
+            "DeepSpeed Ulysses needs. Launch it without the `parallelism_config_sp_*` lines; the exactness under "
+            "Ulysses is shown by tests/distributed/test_sequence_parallel.py (docs/backends.md, the SP row)."
+        )
     if getattr(opts, "distributed_config", None) is None:
         return
     for flag, is_set in (("--plot", bool(opts.plot)), ("--model", opts.model is not None),

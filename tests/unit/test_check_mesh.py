@@ -9,7 +9,8 @@ import argparse
 import pytest
 
 from hf_gradacc.commands.check import check_command, check_command_parser
-from hf_gradacc.testing.check_mesh import data_ranks, head_cases, parse_distributed_config
+from hf_gradacc.errors import GradAccConfigError
+from hf_gradacc.testing.check_mesh import check_options, data_ranks, head_cases, parse_distributed_config
 from hf_gradacc.testing.check_scenarios import HEAD_CASES
 
 
@@ -48,3 +49,13 @@ def test_the_mixtures_of_experts_are_rows_only_under_expert_parallelism():
 def test_options_it_cannot_combine_with_are_refused(extra, capsys):
     assert check_command(_parse("--distributed_config", "tp_size=2", *extra)) == 2
     assert "is not supported with `--distributed_config`" in capsys.readouterr().err
+
+
+def test_a_sequence_parallel_launch_is_refused_by_name():
+    """Under `accelerate launch` with `parallelism_config_sp_size: 2` the check crashed in DeepSpeed's Ulysses adapter
+    ("Ulysses SP requires `position_ids` in every dataloader batch", measured on 2 CPU ranks)."""
+    opts = _parse()
+    with pytest.raises(GradAccConfigError, match="parallelism_config_sp_size: 2"):
+        check_options(opts, {"PARALLELISM_CONFIG_SP_SIZE": "2"})
+    check_options(opts, {"PARALLELISM_CONFIG_SP_SIZE": "1"})
+    check_options(opts, {})
