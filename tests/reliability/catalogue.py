@@ -31,7 +31,7 @@ from hf_gradacc.callbacks import GradNormCallback
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import ListDataset, ListIterableDataset, PaddingCollator, build_tiny_model, make_samples
 
-from . import label_cases
+from . import cp_cases, label_cases
 
 BS, GA = 2, 4
 TOLERANCE = 1e-5
@@ -639,6 +639,16 @@ CASES: list[Case] = [
          label_cases.integer_regression_targets, result="trained as numbers, as the stock Trainer's MSELoss does"),
     Case("fused_ignore_minus_one", "`ignore_index=-1` with `fused_lm_head=True`", "exact",
          label_cases.fused_head_ignore_minus_one, result="the start-up check hands the model -100 where -1 is"),
+    # ---- context parallelism (cp_cases.py)
+    Case("cp_without_fsdp2", "`parallelism_config_cp_size: 2` with a DDP (or DeepSpeed) config", "error",
+         cp_cases.cp_under_ddp, "UnsupportedBackendError", ("`parallelism_config.cp_size` (2)", "FSDP2 only")),
+    Case("cp_sequence_classifier", "a sequence classifier with `cp_size` 2", "error", cp_cases.cp_sequence_classifier,
+         "GradAccConfigError", ("`parallelism_config.cp_size` (2)", "sequence_classification"),
+         result="at construction (the stock Trainer fails inside its context-parallel entry on the per-row labels)"),
+    Case("cp_left_padding", "a left-padded micro-batch with `cp_size` 2", "error", cp_cases.cp_left_padding,
+         "GradAccDataError", ("padding before a real token", "padding_side"),
+         result="when it is counted, before its step (torch's context parallelism drops the mask: real tokens "
+         "would attend to the padding)"),
 ]
 
 
