@@ -143,7 +143,9 @@ def test_check_command_runs_on_the_tensor_x_fsdp_mesh(results):
 
 
 TP_ONLY_CASES = [
-    {"name": f"{task}-tp-only", "model": MODELS[task], "sizes": {"tp_size": 2}} for task in TASKS
+    *({"name": f"{task}-tp-only", "model": MODELS[task], "sizes": {"tp_size": 2}} for task in TASKS),
+    *({"name": f"{task}-tp-only-stock", "model": MODELS[task], "sizes": {"tp_size": 2}, "trainer": "stock"}
+      for task in TASKS),
 ]
 
 
@@ -164,3 +166,11 @@ def test_tensor_parallel_alone_is_the_full_batch_step(tp_only_results, task):
         assert rank0[what]["relative_error"] <= TOLERANCE, (what, rank0[what])
     assert rank0["unchanged"] == []
     assert rank0["logged_grad_norm"] == pytest.approx(rank0["reference_norm"], rel=1e-5)
+
+
+def test_stock_trainer_beside_tensor_parallel_alone(tp_only_results):
+    """Measured (docs/backends.md quotes it): causal LM exact; the classifier's micro-batch means summed, GA 2 = 2.0x."""
+    assert tp_only_results["causal_lm-tp-only-stock"][0]["update"]["relative_error"] <= TOLERANCE
+    assert tp_only_results["sequence_classification-tp-only-stock"][0]["update"]["norm_ratio"] == pytest.approx(
+        2.0, rel=1e-3
+    )
