@@ -36,7 +36,7 @@ from ._common import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
 from .check_grpo import add_grpo_arguments, check_grpo
 
 # --trainer: transformers' Trainer vs GradAccTrainer, or TRL's trainer vs hf_gradacc's (hf_gradacc.trl)
-TRAINERS: tuple[str, ...] = ("trainer", "sft", "dpo", "grpo")
+TRAINERS: tuple[str, ...] = ("trainer", "sft", "dpo", "reward", "grpo", "rloo", "kto", "distillation")
 
 
 # ---------------------------------------------------------------------------------------------- argument parsing
@@ -124,7 +124,8 @@ def check_command_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="trainer",
         help="the trainers to compare: 'trainer' (transformers.Trainer vs GradAccTrainer), 'sft' (TRL's SFTTrainer vs "
         "GradAccSFTTrainer: prompt-completion rows, completion-only loss) or 'dpo' (TRL's DPOTrainer vs "
-        "GradAccDPOTrainer: sigmoid loss, beta 0.1, the initial model as reference model). With sft / dpo every "
+        "GradAccDPOTrainer: sigmoid loss, beta 0.1, the initial model as reference model); 'reward', 'kto', 'rloo', "
+        "'distillation' likewise (docs/preference.md, docs/distillation.md). With sft / dpo every "
         "process's last micro-batch holds one sample less than the others, and the model is the built-in tiny causal "
         "LM or a causal LM --model. Needs TRL: pip install hf_gradacc[trl]",
     )
@@ -561,6 +562,9 @@ def _check_trl_options(opts: argparse.Namespace) -> None:
     if opts.task not in (None, "causal_lm"):
         raise GradAccConfigError(f"`--trainer {opts.trainer}` trains a causal LM; drop `--task {opts.task}`")
     opts.task = "causal_lm"
+    from ..testing.check_trl_more import check_more_options
+
+    check_more_options(opts)  # reward / kto / rloo / distillation
     if not opts.verbose:
         import datasets
 

@@ -38,8 +38,10 @@ class TrlStep:
 
 
 def trl_trainer_names(kind: str) -> tuple[str, str]:
-    """(TRL's trainer, hf_gradacc's) for ``--trainer sft / dpo``."""
-    name = TRL_NAMES[kind]
+    """(TRL's trainer, hf_gradacc's) for ``--trainer sft / dpo`` (and reward / kto / rloo / distillation)."""
+    from .check_trl_more import MORE_TRL_NAMES
+
+    name = TRL_NAMES.get(kind) or MORE_TRL_NAMES[kind]
     return f"{name}Trainer", f"GradAcc{name}Trainer"
 
 
@@ -74,6 +76,10 @@ def trl_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size:
     TRL's per-row metric gathers need). ``step_kwargs``: :func:`~hf_gradacc.testing.one_step.one_step_args`'
     keywords (batch size, accumulation steps, seed, device).
     """
+    from .check_trl_more import MORE_TRL_NAMES, more_one_step
+
+    if kind in MORE_TRL_NAMES:  # reward, kto, rloo, distillation
+        return more_one_step(kind, model, step_kwargs, world_size)
     import trl
 
     from .. import trl as gradacc_trl
@@ -145,7 +151,10 @@ def trl_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size:
 def trl_stock_note(kind: str, stock: Any, tolerance: float, *, has_router: bool = False) -> str:
     """What the report says about TRL's trainer, exact or not, and why."""
     from .check_report import off_by
+    from .check_trl_more import MORE_TRL_NAMES, more_stock_note
 
+    if kind in MORE_TRL_NAMES:
+        return more_stock_note(kind, stock, tolerance)
     if kind == "sft":
         if stock.is_exact(tolerance):
             return (

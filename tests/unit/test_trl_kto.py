@@ -161,3 +161,19 @@ def test_what_kto_cannot_make_exact_is_refused(tmp_path, models, knob, match) ->
     with pytest.raises(GradAccConfigError, match=match):
         GradAccKTOTrainer(model=copy.deepcopy(models[0]), ref_model=models[1], args=args,
                           train_dataset=kto_dataset(kto_rows()), processing_class=trl_steps.word_tokenizer())  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- hf-gradacc check
+@pytest.mark.parametrize(("kind", "stock_off"), [("kto", True), ("reward", True), ("rloo", False)])
+def test_check_trainer_prints_stock_and_ours_against_the_full_batch(capsys, kind, stock_off) -> None:
+    """`hf-gradacc check --trainer kto / reward / rloo`: both rows against the float64 full batch at batch 2 x GA 4
+    (2 + 2 + 2 + 1 samples for kto and reward; 8 completions for rloo, whose stock trainer is exact too)."""
+    from hf_gradacc.commands.hf_gradacc_cli import main
+
+    assert main(["check", "--trainer", kind]) == 0
+    out = capsys.readouterr().out
+    name = {"kto": "KTO", "reward": "Reward", "rloo": "RLOO"}[kind]
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip().endswith(("exact", "WRONG"))}
+    ours, stock = rows[f"GradAcc{name}Trainer"], rows[f"{name}Trainer"]
+    assert float(ours[1]) <= TOL and ours[-1] == "exact"
+    assert (stock[-1] == "WRONG" and float(stock[1]) > 0.05) if stock_off else stock[-1] == "exact"
