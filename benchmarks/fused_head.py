@@ -1,22 +1,32 @@
-"""The LM head's loss three ways, forward + backward, on CPU: full logits, torch 2.13's chunked
-``F.linear_cross_entropy`` and hf_gradacc's tiles (:mod:`hf_gradacc.fused_head`); time, peak memory, exactness.
+"""The LM head's loss, forward + backward, on CPU: full logits against hf_gradacc's tiles
+(:mod:`hf_gradacc.fused_head`) and, on request, torch's chunked ``F.linear_cross_entropy``: CPU time, peak memory,
+exactness, as a markdown table.
 
-    python benchmarks/fused_head.py                                   # 151,936 vocabulary, the shapes below
-    python benchmarks/fused_head.py --shapes 2048x64,512x512 --repeats 3 --json fused_head.json
+    python benchmarks/fused_head.py                       # the five shapes of issue 26; about 15 min of CPU time
+    python benchmarks/fused_head.py --shapes 512x512x151936 --repeats 5 --markdown head.md --json head.json
+    python benchmarks/fused_head.py --methods full_logits,hf_gradacc_tiles,torch_linear_cross_entropy
 
-Per shape ``rows x hidden`` (rows: the positions whose target counts), each method runs in its own process
-(``--threads``: torch threads, default every core, as training runs): the loss SUM and its gradients with respect
-to the hidden states and the head's weight, ``repeats`` times after one warm-up. Peak memory: the rise of the
-resident-set high-water mark over the resident set once the inputs exist (glibc's default allocator, as in training;
-``HF_GRADACC_BENCH_SMALL_MMAP=1`` maps every block over 32 KiB instead, the setting of the 2026-11-24 record, which
-makes each tile's allocations page-fault). Exactness: the largest relative error of the loss and both
-gradients against a float64 computation of the full logits.
+Shapes are ``rows x hidden x vocabulary`` (rows: the positions whose target counts; every seventh target is
+``-100`` and passes through too). Each (method, shape) runs in a fresh process on ONE thread (``OMP_NUM_THREADS=1``,
+``MKL_NUM_THREADS=1``, ``torch.set_num_threads(1)``), float32: the loss SUM and its gradients with respect to the
+hidden states and the head's weight, ``--repeats`` times after one warm-up.
+
+- **CPU time**: ``time.process_time()`` around each forward + backward (the process's user + system time: page
+  faults count, time spent waiting for a busy machine's cores does not). Median and [min-max] over the repeats.
+  Wall time is printed beside it but means little on a shared machine.
+- **Peak memory**: the rise of the process's resident-set high-water mark (``VmHWM``, reset through
+  ``/proc/self/clear_refs``) over the resident set once the inputs exist, over the warm-up and the repeats: torch's
+  CPU allocator keeps no statistics and ``tracemalloc`` does not see it. The weight's ``.grad`` is reset to None
+  before each repeat (a first micro-batch); ``--grad_exists`` keeps a zeroed one (a later micro-batch of gradient
+  accumulation: the new gradient is added into it).
+- **Exactness**: after the timed runs, the largest relative error of the loss, the hidden states' and the weight's
+  gradients against a float64 computation of the full logits.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import datetime
 import json
 import os
 import platform
@@ -26,7 +36,9 @@ import sys
 import time
 from typing import Any
 
-METHODS = ("full_logits", "torch_linear_cross_entropy", "hf_gradacc_tiles")
+METHODS = ("full_logits", "hf_gradacc_tiles", "torch_linear_cross_entropy")
+DEFAULT_SHAPES = "512x512x32000,2048x512x32000,8192x512x32000,512x2048x32000,512x512x151936"
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _status(key: str) -> int:
@@ -37,118 +49,138 @@ def _status(key: str) -> int:
     raise OSError(key)
 
 
-def run_one(
-    method: str, rows: int, hidden: int, vocab: int, repeats: int, seed: int, threads: int = 0
-) -> dict[str, Any]:
-    if os.environ.get("HF_GRADACC_BENCH_SMALL_MMAP") == "1":  # the 2026-11-24 setting: every block over 32 KiB mmapped
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 * 1024)
-        libc.mallopt(-1, 128 * 1024)
+def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed: int, grad_exists: bool) -> dict:
+    """One (method, shape) in this process: CPU and wall time per repeat, the peak rise, the errors vs float64."""
     import torch
     import torch.nn.functional as F
 
-    from hf_gradacc.fused_head import fused_cross_entropy_sum
+    from hf_gradacc.fused_head import fused_cross_entropy_sum, rows_per_tile
 
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     g = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(hidden, vocab, bias=False)
     with torch.no_grad():
         head.weight.copy_(torch.randn(vocab, hidden, generator=g) * hidden**-0.5)
     h0 = torch.randn(rows, hidden, generator=g)
     targets = torch.randint(0, vocab, (rows,), generator=g)
-    targets[::7] = -100  # a few ignored rows pass through too
+    targets[::7] = -100
 
     def loss_of(h: torch.Tensor) -> torch.Tensor:
         if method == "full_logits":
-            return F.cross_entropy(head(h).float(), targets, ignore_index=-100, reduction="sum")
+            return F.cross_entropy(head(h), targets, ignore_index=-100, reduction="sum")
         if method == "torch_linear_cross_entropy":
             return F.linear_cross_entropy(h, head.weight, targets, reduction="sum", ignore_index=-100,
                                           options=torch.nn.LinearCrossEntropyOptions())  # fmt: skip
         return fused_cross_entropy_sum(h, head.forward, targets)  # as the trainer calls it
 
-    # float64 reference, full logits (before the probe: it is not part of the method's memory)
+    zero = torch.zeros_like(head.weight) if grad_exists else None
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    baseline = _status("VmRSS")
+    cpu, wall = [], []
+    for i in range(repeats + 1):
+        head.weight.grad = zero.zero_() if zero is not None else None
+        h = h0.clone().requires_grad_(True)
+        start_cpu, start_wall = time.process_time(), time.perf_counter()
+        loss = loss_of(h)
+        loss.backward()
+        if i:
+            cpu.append(time.process_time() - start_cpu)
+            wall.append(time.perf_counter() - start_wall)
+    peak = _status("VmHWM") - baseline
+    loss, grad_hidden, grad_weight = float(loss), h.grad, head.weight.grad.clone()
+    del h
+    head.weight.grad = None
     w64 = head.weight.detach().double().requires_grad_(True)
     h64 = h0.double().requires_grad_(True)
     ref = F.cross_entropy(h64 @ w64.T, targets, ignore_index=-100, reduction="sum")
     ref.backward()
-    ref_loss, ref_gh, ref_gw = float(ref), h64.grad.float(), w64.grad.float()
-    del w64, h64, ref
-
-    times, losses = [], []
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    baseline = _status("VmRSS")
-    for i in range(repeats + 1):
-        head.weight.grad = None
-        h = h0.clone().requires_grad_(True)
-        start = time.perf_counter()
-        loss = loss_of(h)
-        loss.backward()
-        elapsed = time.perf_counter() - start
-        if i:
-            times.append(elapsed)
-        losses.append(float(loss))
-    peak = _status("VmHWM") - baseline
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float((a.double() - b.double()).norm() / b.double().norm())
+        return float((a.double() - b).norm() / b.norm())
 
     return {
-        "method": method, "rows": rows, "hidden": hidden, "vocab": vocab,
-        "median_s": statistics.median(times), "peak_bytes": peak,
-        "loss_rel_error": abs(losses[-1] - ref_loss) / abs(ref_loss),
-        "grad_hidden_rel_error": rel(h.grad, ref_gh), "grad_weight_rel_error": rel(head.weight.grad, ref_gw),
+        "method": method, "rows": rows, "hidden": hidden, "vocab": vocab, "grad_exists": grad_exists,
+        "cpu_s": cpu, "wall_s": wall, "peak_bytes": peak,
+        "tile_rows": min(rows, rows_per_tile(rows, hidden, vocab)) if method == "hf_gradacc_tiles" else None,
+        "loss_rel_error": abs(loss - float(ref)) / abs(float(ref)),
+        "grad_hidden_rel_error": rel(grad_hidden, h64.grad), "grad_weight_rel_error": rel(grad_weight, w64.grad),
     }  # fmt: skip
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    rows, hidden, vocab = (int(x) for x in text.lower().split("x"))
+    return rows, hidden, vocab
+
+
+def markdown(results: list[dict[str, Any]], command: str) -> str:
+    """The table: per shape and method, CPU time (median [min-max]) and its ratio to the full logits' median, peak
+    memory and its ratio, the errors against float64."""
+    import torch
+
+    lines = [
+        f"{datetime.date.today().isoformat()}, torch {torch.__version__}, python {platform.python_version()}, "
+        f"{platform.processor() or platform.machine()}, one thread, float32. Command: `{command}`",
+        "",
+        "| rows x hidden x vocabulary | method | tile rows | CPU time, median [min-max] | vs full logits | "
+        "wall (median) | peak memory | vs full logits | loss / grad hidden / grad weight rel. error vs float64 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        full = next((x for x in results if x["method"] == "full_logits" and _key(x) == _key(r)), None)
+        med = statistics.median(r["cpu_s"])
+        cpu_ratio = f"{med / statistics.median(full['cpu_s']):.3f}x" if full else "-"
+        mem_ratio = f"{r['peak_bytes'] / max(full['peak_bytes'], 1):.2f}x" if full else "-"
+        lines.append(
+            f"| {r['rows']} x {r['hidden']} x {r['vocab']} | {r['method']} | {r['tile_rows'] or '-'} | "
+            f"{med:.3f} s [{min(r['cpu_s']):.3f}-{max(r['cpu_s']):.3f}] | {cpu_ratio} | "
+            f"{statistics.median(r['wall_s']):.3f} s | {r['peak_bytes'] / 2**20:,.0f} MiB | {mem_ratio} | "
+            f"{r['loss_rel_error']:.1e} / {r['grad_hidden_rel_error']:.1e} / {r['grad_weight_rel_error']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _key(r: dict[str, Any]) -> tuple:
+    return r["rows"], r["hidden"], r["vocab"], r["grad_exists"]
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vocab_size", type=int, default=151936)
-    parser.add_argument("--shapes", default="2048x64,512x512", help="rows x hidden, comma-separated")
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="rows x hidden x vocabulary, comma-separated")
+    parser.add_argument("--methods", default="full_logits,hf_gradacc_tiles", help=f"any of {','.join(METHODS)}")
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default, every core)")
+    parser.add_argument("--grad_exists", action="store_true", help="the weight's .grad exists (accumulation)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--markdown", default=None, help="also write the table to this file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.worker:
         method, shape = opts.worker.split(":")
-        rows, hidden = (int(x) for x in shape.split("x"))
-        result = run_one(method, rows, hidden, opts.vocab_size, opts.repeats, opts.seed, opts.threads)
+        result = run_one(method, *_shape(shape), opts.repeats, opts.seed, opts.grad_exists)
         print("RESULT " + json.dumps(result))
         return []
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    if opts.threads:
-        env.update(OMP_NUM_THREADS=str(opts.threads), MKL_NUM_THREADS=str(opts.threads))
+    env = {**os.environ, **ONE_THREAD}
     results = []
     for shape in opts.shapes.split(","):
         for method in opts.methods.split(","):
-            proc = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--vocab_size", str(opts.vocab_size), "--repeats",
-                 str(opts.repeats), "--seed", str(opts.seed), "--threads", str(opts.threads),
-                 "--worker", f"{method}:{shape}"],
-                env=env, capture_output=True, text=True, timeout=3600,
-            )  # fmt: skip
+            if method not in METHODS:
+                raise SystemExit(f"--methods: {method!r} is not one of {METHODS}")
+            command = [sys.executable, os.path.abspath(__file__), "--repeats", str(opts.repeats), "--seed",
+                       str(opts.seed), "--worker", f"{method}:{shape}"] + (["--grad_exists"] if opts.grad_exists else [])  # fmt: skip
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=7200)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
                 raise SystemExit(f"{method} {shape} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
             results.append(json.loads(lines[-1][len("RESULT ") :]))
-            print(f"{method} {shape}: done", flush=True)
-    import torch
-
-    threads = opts.threads or torch.get_num_threads()
-    print(f"\nvocabulary {opts.vocab_size}, torch threads {threads}, python {platform.python_version()}")
-    print("| rows x hidden | method | forward + backward (median) | vs full logits | peak memory | vs full logits | "
-          "loss / grad hidden / grad weight rel. error vs float64 |\n| --- | --- | --- | --- | --- | --- | --- |")
-    for r in results:
-        full = next(x for x in results if (x["rows"], x["hidden"]) == (r["rows"], r["hidden"])
-                    and x["method"] == "full_logits")  # fmt: skip
-        print(f"| {r['rows']} x {r['hidden']} | {r['method']} | {r['median_s'] * 1e3:,.0f} ms | "
-              f"{r['median_s'] / full['median_s']:.2f}x | {r['peak_bytes'] / 2**20:,.0f} MiB | "
-              f"{r['peak_bytes'] / max(full['peak_bytes'], 1):.2f}x | {r['loss_rel_error']:.1e} / "
-              f"{r['grad_hidden_rel_error']:.1e} / {r['grad_weight_rel_error']:.1e} |")  # fmt: skip
+            r = results[-1]
+            print(f"{method} {shape}: CPU median {statistics.median(r['cpu_s']):.3f} s, "
+                  f"peak {r['peak_bytes'] / 2**20:,.0f} MiB", flush=True)  # fmt: skip
+    table = markdown(results, "python benchmarks/fused_head.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print("\n" + table)
+    if opts.markdown:
+        with open(opts.markdown, "w") as f:
+            f.write(table)
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -25,6 +25,7 @@ buffer (``[vocabulary x hidden]``, which the weight's gradient needs anyway) is 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,10 @@ from .loss import IGNORE_INDEX, model_labels
 # 32,000); of 2**21 to 2**25, the fastest on the 2-core CPU at both vocabularies (docs/benchmarks.md). Far fewer rows
 # per tile make each tile's weight-gradient update (one pass over [vocabulary x hidden]) the cost.
 TILE_ELEMENTS = 2**23
+# A weight gradient of at least this many elements (16 MiB in float32) does not stay in cache: each tile's update of
+# it is a pass over memory, so where the element budget gives few rows (a large vocabulary) the tiles are widened
+# (:func:`rows_per_tile`). Smaller heads keep ``tile_rows_for``'s tiles.
+WIDEN_ABOVE_ELEMENTS = 2**22
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,6 +80,30 @@ class LogitTransform:
 def tile_rows_for(vocab_size: int, tile_elements: int = TILE_ELEMENTS) -> int:
     """Rows per tile so that one tile's logits hold about ``tile_elements`` values (at least 1 row)."""
     return max(1, tile_elements // max(int(vocab_size), 1))
+
+
+def rows_per_tile(rows: int, hidden_size: int, vocab_size: int) -> int:
+    """Rows per tile of the plain linear head for ``rows`` counted rows through a ``[vocab_size x hidden_size]``
+    weight: ``tile_rows_for(vocab_size)`` (a fixed logit budget), widened where the weight is large to
+    ``min(rows, max(hidden_size // 2, rows // 4), sqrt(rows * hidden_size / 4))``.
+
+    Why: each tile adds its ``tile x vocabulary`` gradient into the ``[vocabulary x hidden]`` weight gradient, one
+    read and one write of that buffer per tile, while the tile's logits buffer is paged in once per call. The two
+    costs, ``(rows / tile) * vocabulary * hidden`` and ``tile * vocabulary`` (measured on the 2-core CPU: a buffer pass
+    about a quarter of a first touch per element), balance near ``sqrt(rows * hidden / 4)`` rows (256 at 512 rows x
+    512 hidden: 0.83x the full logits' CPU time at vocabulary 151,936 where 55-row tiles took 1.07x). The cap keeps a
+    tile's logits within half the weight gradient's memory or a quarter of the full logits', whichever is larger.
+
+    Example:
+        ```python
+        rows_per_tile(512, 512, 151936)  # 256 (the element budget alone: 55)
+        ```
+    """
+    base = tile_rows_for(vocab_size)
+    if vocab_size * hidden_size < WIDEN_ABOVE_ELEMENTS:
+        return base
+    balanced = math.isqrt(max(rows, 1) * hidden_size // 4)
+    return max(base, min(rows, max(hidden_size // 2, rows // 4), balanced), 1)
 
 
 def _tile_loss(
@@ -138,9 +167,14 @@ def fused_cross_entropy_sum(
             ]
         return torch.stack(parts).sum()
     wants_hidden = hidden.requires_grad
+    linear = _plain_linear(head, module, hidden, params)
+    if linear and transform.softcap is None and label_smoothing == 0.0:  # the softmax written by hand, wider tiles
+        step = tile_rows or rows_per_tile(rows, int(hidden.shape[-1]), vocab)
+        total, grads = _linear_tiles(hidden.detach(), targets, module, transform.scale, ignore_index, step,
+                                     wants_hidden)  # fmt: skip
+        return _ScaledGradients.apply(total, grads, hidden, *params)
     grad_hidden = torch.zeros_like(hidden) if wants_hidden else None
     grad_params: list[torch.Tensor | None] = [None] * len(params)
-    linear = _plain_linear(head, module, hidden, params)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, max(rows, 1), step):  # at least one (possibly empty) tile: every parameter gets a gradient
         part_hidden, part_targets = hidden[start : start + step].detach(), targets[start : start + step]
@@ -164,10 +198,14 @@ def fused_cross_entropy_sum(
     return _ScaledGradients.apply(total, (grad_hidden, *grad_params), hidden, *params)
 
 
+def _is_linear(head: Callable, module: Any) -> bool:
+    return getattr(head, "__func__", None) is nn.Linear.forward and isinstance(module, nn.Linear)
+
+
 def _plain_linear(head: Callable, module: Any, hidden: torch.Tensor, params: list[torch.Tensor]) -> bool:
     """True when ``head`` is ``torch.nn.Linear``'s own forward (also under FSDP2's subclass) and its weight, bias and
     ``hidden`` share one dtype (no autocast between them): its gradients can then be written by hand."""
-    if getattr(head, "__func__", None) is not nn.Linear.forward or not isinstance(module, nn.Linear):
+    if not _is_linear(head, module):
         return False
     if torch.is_autocast_enabled(hidden.device.type):
         return False
@@ -185,16 +223,14 @@ def _linear_tile(
     grad_hidden: torch.Tensor | None,
     grad_params: list[torch.Tensor | None],
 ) -> torch.Tensor:
-    """One tile through a plain linear head: the loss, the hidden rows' gradient written into ``grad_hidden`` and the
-    weight's (and bias's) added into ``grad_params`` (in ``module.parameters()`` order, trainable ones only)."""
+    """One tile through a plain linear head with softcapping or label smoothing (autograd on the tile's logits): the
+    loss, the hidden rows' gradient written into ``grad_hidden`` and the weight's (and bias's) added into
+    ``grad_params`` (in ``module.parameters()`` order, trainable ones only)."""
     weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
-    if transform.softcap is None and smoothing == 0.0:
-        loss, grad_raw = _softmax_tile(F.linear(hidden, weight, bias), targets, ignore, transform.scale)
-    else:
-        with torch.enable_grad():
-            raw = F.linear(hidden, weight, bias).requires_grad_(True)
-            loss = _cross_entropy_sum(raw, targets, transform, ignore, smoothing)
-            (grad_raw,) = torch.autograd.grad(loss, [raw])
+    with torch.enable_grad():
+        raw = F.linear(hidden, weight, bias).requires_grad_(True)
+        loss = _cross_entropy_sum(raw, targets, transform, ignore, smoothing)
+        (grad_raw,) = torch.autograd.grad(loss, [raw])
     if grad_hidden is not None:  # in the weight's dtype, as autograd's matmul backward computes it
         torch.matmul(grad_raw.to(weight.dtype), weight, out=grad_hidden)
     # the parameters' gradients are summed over the tiles in float32, with tile-sized casts only: no
@@ -213,29 +249,77 @@ def _linear_tile(
     return loss
 
 
-def _softmax_tile(
-    raw: torch.Tensor, targets: torch.Tensor, ignore: int, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cross-entropy SUM of ``raw * scale`` (logits, any float dtype; scaled in that dtype, then computed in
-    float32, as the models and their loss do) and its float32 gradient with respect to ``raw``, written over one
-    float32 copy of the logits: ``softmax - onehot`` (times ``scale``), zero on rows whose target is ``ignore``.
-    Three passes over the tile instead of autograd's separate log-softmax, loss and gradient tensors."""
-    if scale != 1.0:
-        raw = raw.mul_(scale) if raw.dtype == torch.float32 else raw * scale  # the tile's own logits
-    logits = raw.float()  # raw itself in float32: overwritten from here on
-    kept = targets != ignore
-    safe = torch.where(kept, targets, 0)
-    picked = logits.gather(1, safe[:, None])[:, 0]
-    top = logits.amax(dim=1, keepdim=True)
-    probs = logits.sub_(top).exp_()
-    total = probs.sum(dim=1, keepdim=True)
-    rows = (top[:, 0] + total[:, 0].log() - picked).where(kept, 0.0)
-    probs.div_(total)
-    probs[torch.arange(probs.shape[0], device=probs.device), safe] -= 1.0
-    probs.mul_(kept[:, None].to(probs.dtype))
-    if scale != 1.0:
-        probs.mul_(scale)
-    return rows.sum(), probs
+def _linear_tiles(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    module: nn.Linear,
+    scale: float,
+    ignore: int,
+    step: int,
+    wants_hidden: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """Every tile of ``step`` rows through a plain linear head, the softmax written by hand: the cross-entropy SUM of
+    ``head(hidden) * scale`` (scaled in the weight's dtype, then float32, as the models and their loss do), and the
+    gradients ``(hidden, weight, bias)`` (None for what does not require one; the weight's and bias's in float32).
+
+    One float32 logits buffer (and, for a 16-bit weight, one in its dtype) serves every tile: each tile's matmul
+    writes into it, ``log_softmax`` runs in place (the loss of a row is minus its target's entry, as
+    ``F.cross_entropy`` computes it), ``exp_`` turns it into the softmax and the target's entry loses 1: that is the
+    gradient of the tile's logits, which two matmuls turn into the hidden rows' gradient (written in place) and the
+    weight's (added into one buffer). A row whose target is ``ignore`` gets a zero gradient and no loss. No tensor of
+    the tile's size is allocated per tile: a fresh one costs its page faults again, a tenth of the tile's time at
+    151,936 tokens."""
+    weight = module.weight.detach()
+    bias = None if module.bias is None else module.bias.detach()
+    wants_weight = module.weight.requires_grad
+    wants_bias = bias is not None and module.bias.requires_grad
+    rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
+    low = weight.dtype != torch.float32
+    size = max(1, min(step, rows))
+    logits = torch.empty(size, vocab, dtype=torch.float32, device=device)
+    raw = torch.empty(size, vocab, dtype=weight.dtype, device=device) if low else logits
+    grad_hidden = torch.empty_like(hidden) if wants_hidden else None  # every row is written below
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if wants_weight and not rows else None
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if wants_bias else None
+    ignored = torch.nonzero(targets == ignore)[:, 0]  # once, not per tile (a host sync on an accelerator)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for start in range(0, rows, size):
+        part, part_targets = hidden[start : start + size], targets[start : start + size]
+        n = part.shape[0]
+        z, r = logits[:n], raw[:n]
+        if bias is None:
+            torch.mm(part, weight.t(), out=r)
+        else:
+            torch.addmm(bias, part, weight.t(), out=r)
+        if scale != 1.0:
+            r.mul_(scale)  # in the weight's dtype
+        if low:
+            z.copy_(r)
+        torch.log_softmax(z, 1, out=z)  # row by row, in place: read before written
+        kept = part_targets != ignore
+        safe = torch.where(kept, part_targets, 0)
+        total -= z.gather(1, safe[:, None])[:, 0].where(kept, 0.0).sum()
+        z.exp_()
+        z[torch.arange(n, device=device), safe] -= 1.0
+        here = ignored[(ignored >= start) & (ignored < start + n)] - start
+        if here.numel():
+            z.index_fill_(0, here, 0.0)
+        if scale != 1.0:
+            z.mul_(scale)
+        if grad_hidden is not None:  # in the weight's dtype, as autograd's matmul backward computes it
+            if low:
+                r.copy_(z)
+            torch.mm(r, weight, out=grad_hidden[start : start + n])
+        if wants_weight:  # summed over the tiles in float32, also for a 16-bit weight
+            part32 = part.float()
+            if grad_weight is None:
+                grad_weight = torch.mm(z.t(), part32)
+            else:
+                grad_weight.addmm_(z.t(), part32)
+        if grad_bias is not None:
+            grad_bias += z.sum(dim=0)
+    grads = (grad_hidden,) + ((grad_weight,) if wants_weight else ()) + ((grad_bias,) if wants_bias else ())
+    return total, grads
 
 
 def _accumulate(total: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
@@ -272,6 +356,8 @@ class _ScaledGradients(torch.autograd.Function):
             )
         # scaled in place, so no second [vocabulary x hidden] tensor exists; the scalar stays float32 (not rounded
         # to a 16-bit gradient's dtype): each element is rounded once
+        if grad.device.type == "cpu" and bool(grad == 1):  # the plain sum: no pass over the weight's gradient
+            return (None, None, *[None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)])
         return (None, None, *[None if g is None else g.mul_(grad).to(dtype) for g, dtype in zip(grads, ctx.dtypes)])
 
 
@@ -311,7 +397,9 @@ def fused_support_problem(model: nn.Module, head_type: str | None, *, distribute
         )
     if distributed and head_type not in DISTRIBUTED_FUSED_HEADS:
         return f"the {head_type!r} head is tested on one process only; on several, {DISTRIBUTED_FUSED_HEADS}"
-    return None
+    from .multimodal import row_split_problem  # its start-up check runs one row of the micro-batch
+
+    return row_split_problem(base)
 
 
 def check_fused_setting(trainer: Any) -> None:
