@@ -26,6 +26,7 @@ from .counting import (  # noqa: F401  (re-exported: the counting rule's home is
 )
 from .errors import GradAccConfigError, GradAccDataError, GradAccError, GradAccLossError
 from .loss import LossOutput, normalize
+from .multimodal import check_batch_rows
 
 logger = logging.get_logger(__name__)
 
@@ -176,6 +177,7 @@ def split_micro_batches(micro_batches: Sequence[Mapping[str, Any]], max_rows: in
         raise GradAccConfigError(f"`max_rows` ({max_rows}) must be >= 1")
     pieces: list[dict[str, Any]] = []
     for batch in micro_batches:
+        check_batch_rows(batch, "`auto_micro_batch`")  # Qwen-VL images are patches of the whole batch, not rows
         if torch.is_tensor(batch.get(PACKED_KEY)):
             pieces += _split_packed(batch, max_rows)
             continue

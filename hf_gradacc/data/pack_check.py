@@ -149,6 +149,10 @@ def check_packing_support(model: torch.nn.Module, *, probe: bool = True) -> None
     config = getattr(base, "config", None)
     if config is None:
         raise GradAccConfigError(f"{name} has no `config`: packing is supported for transformers models only.")
+    from ..multimodal import packing_problem
+
+    if packing_problem(base) is not None:
+        raise GradAccConfigError(f"`pack_micro_batches=True` cannot run here: {packing_problem(base)}.")
     if getattr(config, "is_encoder_decoder", False):
         raise GradAccConfigError(
             f"{name} is an encoder-decoder model: packed rows are for decoder-only causal LMs (the encoder's "
