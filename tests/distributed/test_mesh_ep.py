@@ -30,9 +30,11 @@ CASES = [
     {"name": "qwen3_moe-fsdp-ep", "model": "qwen3_moe", "sizes": FSDP_EP},
     {"name": "mixtral_seq_cls-fsdp-ep", "model": "mixtral_seq_cls", "sizes": FSDP_EP},
     {"name": "mixtral-tp-ep", "model": "mixtral_kv2", "sizes": TP_EP},
+    {"name": "mixtral_seq_cls-tp-ep", "model": "mixtral_kv2_seq_cls", "sizes": TP_EP},
     {"name": "mixtral-fsdp-ep-stock", "model": "mixtral", "sizes": FSDP_EP, "trainer": "stock"},
     {"name": "mixtral_seq_cls-fsdp-ep-stock", "model": "mixtral_seq_cls", "sizes": FSDP_EP, "trainer": "stock"},
     {"name": "mixtral-tp-ep-stock", "model": "mixtral_kv2", "sizes": TP_EP, "trainer": "stock"},
+    {"name": "mixtral_seq_cls-tp-ep-stock", "model": "mixtral_kv2_seq_cls", "sizes": TP_EP, "trainer": "stock"},
     # last: `hf-gradacc check` tears the process group down
     {"name": "check", "mode": "check", "sizes": FSDP_EP},
 ]
@@ -65,11 +67,13 @@ def test_expert_x_fsdp_step_is_the_full_batch_step(results, family):
         _exact(rank)
 
 
-def test_expert_x_fsdp_sequence_classifier_is_the_full_batch_step(results):
+@pytest.mark.parametrize(("layout", "backend", "data_ranks"), [("fsdp-ep", "EP 2 x FSDP 2", 2),
+                                                              ("tp-ep", "TP 2 x EP 2", 1)])  # fmt: skip
+def test_expert_parallel_sequence_classifier_is_the_full_batch_step(results, layout, backend, data_ranks):
     """A Mixtral sequence classifier (its base model's expert plan; no router term in its loss) beside the causal LMs."""
-    ranks = results["mixtral_seq_cls-fsdp-ep"]
-    assert ranks[0]["backend"] == "EP 2 x FSDP 2, 2 processes, gloo" and ranks[0]["dp_world_size"] == 2
-    assert all("Shard(dim=0)" in p for p in ranks[0]["expert_placements"]) and ranks[0]["expert_placements"]
+    ranks = results[f"mixtral_seq_cls-{layout}"]
+    assert ranks[0]["backend"] == f"{backend}, 2 processes, gloo" and ranks[0]["dp_world_size"] == data_ranks
+    assert ranks[0]["expert_placements"]
     for rank in ranks:
         _exact(rank, router=False)
 
@@ -83,10 +87,11 @@ def test_expert_x_tensor_step_is_the_full_batch_step(results):
         _exact(rank)
 
 
-def test_stock_sequence_classifier_beside_it(results):
-    """Measured (docs/backends.md quotes it): the classifier's loss is a micro-batch mean, GA 2 x 2 data ranks."""
-    rank0 = results["mixtral_seq_cls-fsdp-ep-stock"][0]
-    assert rank0["update"]["norm_ratio"] == pytest.approx(4.0, rel=1e-3), rank0["update"]
+@pytest.mark.parametrize(("layout", "ratio"), [("fsdp-ep", 4.0), ("tp-ep", 2.0)])
+def test_stock_sequence_classifier_beside_it(results, layout, ratio):
+    """Measured (docs/backends.md quotes it): the classifier's loss is a micro-batch mean, GA 2 x the data ranks."""
+    rank0 = results[f"mixtral_seq_cls-{layout}-stock"][0]
+    assert rank0["update"]["norm_ratio"] == pytest.approx(ratio, rel=1e-3), rank0["update"]
 
 
 def test_check_command_runs_on_the_expert_x_fsdp_mesh(results):

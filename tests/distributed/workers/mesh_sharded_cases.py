@@ -6,7 +6,8 @@ test_mesh_ep.py (2 ranks).
 
     python mesh_sharded_cases.py --cases '[{"name": "a", "model": "llama", "sizes": {"tp_size": 2, "fsdp_size": 2}}]'
 
-Case keys: name; model ('llama' | 'llama_seq_cls' | 'mixtral' | 'qwen3_moe' | 'mixtral_kv2' | 'mixtral_seq_cls':
+Case keys: name; model ('llama' | 'llama_seq_cls' | 'mixtral' | 'qwen3_moe' | 'mixtral_kv2' | 'mixtral_seq_cls' |
+'mixtral_kv2_seq_cls':
 the ``_seq_cls`` models are sequence classifiers, the others causal LMs; mixtral_kv2 has 2 key-value heads so that a
 tensor plan can split its attention); sizes (the DistributedConfig fields); trainer ('gradacc' | 'stock');
 max_grad_norm (TrainingArguments); hook ('zero_lm_head' | 'nan': an accumulated-gradient hook); settings (GradAccConfig
@@ -39,7 +40,7 @@ from tests.distributed.workers._common import finish_worker, rank, world_size, w
 
 PER_DEVICE_BATCH = 2
 GRAD_ACC = 2
-MODELS = ("llama", "llama_seq_cls", "mixtral", "qwen3_moe", "mixtral_kv2", "mixtral_seq_cls")
+MODELS = ("llama", "llama_seq_cls", "mixtral", "qwen3_moe", "mixtral_kv2", "mixtral_seq_cls", "mixtral_kv2_seq_cls")
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -54,8 +55,9 @@ def _build(name: str) -> torch.nn.Module:
     if name in ("llama", "mixtral", "qwen3_moe"):
         return build_tiny_model("causal_lm") if name == "llama" else build_tiny_moe(name)
     config = (build_tiny_model("causal_lm") if name == "llama_seq_cls" else build_tiny_moe("mixtral")).config
-    if name == "mixtral_kv2":
+    if name.startswith("mixtral_kv2"):
         config.num_key_value_heads = 2
+    if name == "mixtral_kv2":
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config)
     # a sequence classifier on the causal LM's config: its base model has the tensor / expert plan

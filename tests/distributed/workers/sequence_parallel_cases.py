@@ -51,7 +51,8 @@ class SequenceCollator(PaddingCollator):
             pad = lambda t, v: torch.nn.functional.pad(t, (0, extra), value=v)  # noqa: E731
             batch["input_ids"] = pad(batch["input_ids"], self.pad_token_id)
             batch["attention_mask"] = pad(batch["attention_mask"], 0)
-            batch["labels"] = pad(batch["labels"], self.ignore_index)
+            if batch["labels"].dim() == 2:  # a token-level head's labels (a classifier's are one per row)
+                batch["labels"] = pad(batch["labels"], self.ignore_index)
         batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"]).clone()
         batch.pop("attention_mask")  # right padding, causal attention: no real token sees a pad; Ulysses drops it
         return batch
@@ -67,13 +68,23 @@ def parallelism_config() -> ParallelismConfig:
     )
 
 
-def run(trainer_name: str, batch: int) -> dict[str, Any]:
+def run(trainer_name: str, batch: int, task: str = "causal_lm") -> dict[str, Any]:
     # One step: GRAD_ACC micro-batches of the adapter = GRAD_ACC / SP_SIZE batches from each of the world ranks
     num_samples = world_size() * batch * GRAD_ACC // SP_SIZE
-    base = build_tiny_model("causal_lm")
+    if task == "causal_lm":
+        base = build_tiny_model("causal_lm")
+    else:  # a Llama sequence classifier (sdpa), on the causal LM's config
+        from transformers import LlamaForSequenceClassification
+
+        from hf_gradacc.testing.tiny import NUM_LABELS
+
+        config = build_tiny_model("causal_lm").config
+        config.num_labels = NUM_LABELS
+        torch.manual_seed(1)
+        base = LlamaForSequenceClassification(config)
     base.config._attn_implementation = "sdpa"
-    samples = make_samples("causal_lm", num_samples, seed=0)
-    reference = reference_gradients(base, samples, "causal_lm", PaddingCollator())
+    samples = make_samples(task, num_samples, seed=0)
+    reference = reference_gradients(base, samples, task, PaddingCollator())
     model = copy.deepcopy(base)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = one_step_args(
@@ -108,19 +119,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=("stock", "gradacc"), required=True)
     parser.add_argument("--batch", type=int, default=PER_DEVICE_BATCH)
+    parser.add_argument("--tasks", default="causal_lm", help="comma-separated: causal_lm, sequence_classification")
     opts = parser.parse_args()
-    try:
-        payload = {"outcome": "trained", **run(opts.trainer, opts.batch)}
-    except Exception as err:
-        payload = {
-            "outcome": "error",
-            "error_type": type(err).__name__,
-            "error": str(err)[:2000],
-            "traceback": traceback.format_exc()[-4000:],
-        }
-    write_result(opts.trainer, payload)
-    if rank() == 0:
-        print(f"[sequence_parallel_cases] {opts.trainer}: {payload}", flush=True)
+    for task in opts.tasks.split(","):
+        try:
+            payload = {"outcome": "trained", **run(opts.trainer, opts.batch, task)}
+        except Exception as err:
+            payload = {
+                "outcome": "error",
+                "error_type": type(err).__name__,
+                "error": str(err)[:2000],
+                "traceback": traceback.format_exc()[-4000:],
+            }
+        name = opts.trainer if task == "causal_lm" else f"{opts.trainer}-{task}"
+        write_result(name, payload)
+        if rank() == 0:
+            print(f"[sequence_parallel_cases] {name}: {payload}", flush=True)
     finish_worker()
 
 
