@@ -84,7 +84,7 @@ def features(rows: float, hidden: int, vocab: int) -> tuple[list[float], list[fl
     """Each way's terms, in :class:`CostFactors` order (full: matmul, softmax, spill, call; fused: matmul, softmax,
     sweep, buffer, call)."""
     full = [rows * hidden * vocab, rows * vocab, max(0.0, rows * vocab - CACHED_LOGITS), 1.0]
-    fused = [rows * hidden * vocab, rows * vocab, tiles_of(rows, vocab) * hidden * vocab, hidden * vocab, 1.0]
+    fused = [rows * hidden * vocab, rows * vocab, tiles_of(rows, hidden, vocab) * hidden * vocab, hidden * vocab, 1.0]
     return full, fused
 
 

@@ -36,13 +36,15 @@ CONFIGS: dict[str, tuple[str, int, int, dict[str, Any]]] = {
     "gradacc_4x2": ("GradAccTrainer", 4, 2, {}),
     "gradacc_4x2_nocheck": ("GradAccTrainer", 4, 2, {"check_loss_at_start": False}),
     "gradacc_4x2_fused": ("GradAccTrainer", 4, 2, {"fused_lm_head": True}),
+    "gradacc_4x2_unfused": ("GradAccTrainer", 4, 2, {"fused_lm_head": False}),
 }
 LABELS = {
     "stock_4x2": "stock `Trainer`, 4 x GA 2",
     "stock_8x1": "stock `Trainer`, 8 x GA 1",
-    "gradacc_4x2": "`GradAccTrainer`, 4 x GA 2, defaults",
+    "gradacc_4x2": "`GradAccTrainer`, 4 x GA 2, defaults (`fused_lm_head=None`: automatic)",
     "gradacc_4x2_nocheck": "`GradAccTrainer`, 4 x GA 2, `check_loss_at_start=False`",
     "gradacc_4x2_fused": "`GradAccTrainer`, 4 x GA 2, `fused_lm_head=True`",
+    "gradacc_4x2_unfused": "`GradAccTrainer`, 4 x GA 2, `fused_lm_head=False`",
 }
 BASELINE, FULL_BATCH = "stock_4x2", "stock_8x1"
 

@@ -3,8 +3,8 @@ per run by a measured cost model, as the packing planner prices attention.
 
 Where the fused head cannot run (an overridden ``compute_loss`` / ``compute_loss_func`` / ``training_step``, a head
 or model it does not support, a tensor-parallel ``lm_head``, a seq2seq model that builds its decoder inputs from the
-labels, a streamed window), automatic means off, with one INFO line saying why: never an error or a warning
-(``fused_lm_head=True`` keeps refusing those). Elsewhere the first optimizer step's counts, gathered over every rank
+labels, a streamed window) or is not guarded (the start-up loss check turned off), automatic means off, with one INFO
+line saying why: never an error or a warning (``fused_lm_head=True`` keeps refusing those). Elsewhere the first optimizer step's counts, gathered over every rank
 (so every rank decides alike), give the rows of one micro-batch: ``counted`` (targets that count: the rows the fused
 head projects) and ``positions`` (the rows of the full logits). With the head's ``hidden`` size, ``vocab``, compute
 dtype and device, the model predicts the LM head's forward + backward time both ways::
@@ -13,14 +13,14 @@ dtype and device, the model predicts the LM head's forward + backward time both 
     fused = mm' * counted * hidden * vocab + ce' * counted * vocab + (sweep * tiles + buffer) * hidden * vocab + call'
 
 (``spill``: each logit past ``cached``, the fused head's tile size, costs more: the logits no longer stay in cache
-between the passes over them; ``tiles``: the fused head's row tiles, whose weight-gradient updates each sweep ``[vocab x hidden]``; ``buffer``:
-the weight-gradient buffer's one-off cost), and the
-memory both ways (the full logits: ``positions x vocab`` in the compute dtype, their float32 copy and the saved
-log-softmax; the fused head: its float32 weight-gradient buffer and one tile). The fused head is on where it is
-predicted faster (at most ``SPEED_MARGIN`` of the full logits' time), or where the full logits would hold at least ``MEMORY_SHARE`` of the model's training state
-(parameters, gradients, two Adam moments) more than the fused head and it costs at most ``MEMORY_TIME_ALLOWANCE``
-times the full logits' time. The factors were fitted by ``benchmarks/fused_choice_fit.py`` (process CPU time of one
-thread; docs/memory.md has the rule, the inputs and the factors).
+between the passes over them; ``tiles``: the fused head's row tiles, whose weight-gradient updates each sweep
+``[vocab x hidden]``; ``buffer``: the weight-gradient buffer's one-off cost), and the memory both ways (the full
+logits: ``positions x vocab`` in the compute dtype, their float32 copy and the saved log-softmax; the fused head: its
+float32 weight-gradient buffer and one tile). The fused head is on where it is predicted faster (at most
+``SPEED_MARGIN`` of the full logits' time), or where the full logits would hold at least ``MEMORY_SHARE`` of the
+model's training state (parameters, gradients, two Adam moments) more than the fused head and it costs at most
+``MEMORY_TIME_ALLOWANCE`` times the full logits' time. The factors were fitted by ``benchmarks/fused_choice_fit.py``
+(process CPU time of one thread; docs/memory.md has the rule, the inputs and the factors).
 """
 
 from __future__ import annotations
@@ -124,11 +124,19 @@ def factors_for(device: str, dtype: str) -> CostFactors:
     return FACTORS.get((device, dtype)) or FACTORS.get((device, "float32")) or FACTORS[("cpu", "float32")]
 
 
-def tiles_of(counted: float, vocab: int) -> int:
-    """The fused head's row tiles for ``counted`` rows (each one sweep of the weight-gradient buffer)."""
-    from .fused_head import tile_rows_for
+def tile_of(counted: float, hidden: int, vocab: int) -> int:
+    """Rows per tile of the fused head for ``counted`` rows (the kernel's own rule, ``rows_per_tile`` where the
+    kernel has one, else a fixed logit budget per tile)."""
+    from . import fused_head
 
-    return max(1, math.ceil(counted / tile_rows_for(vocab)))
+    rows = max(1, math.ceil(counted))
+    per_tile = getattr(fused_head, "rows_per_tile", None)
+    return max(1, per_tile(rows, hidden, vocab) if per_tile else fused_head.tile_rows_for(vocab))
+
+
+def tiles_of(counted: float, hidden: int, vocab: int) -> int:
+    """The fused head's row tiles for ``counted`` rows (each one sweep of the weight-gradient buffer)."""
+    return max(1, math.ceil(counted / tile_of(counted, hidden, vocab)))
 
 
 def predict_seconds(shape: HeadShape, factors: CostFactors) -> tuple[float, float]:
@@ -143,7 +151,7 @@ def predict_seconds(shape: HeadShape, factors: CostFactors) -> tuple[float, floa
     fused = (
         factors.fused_matmul * shape.counted * h * v
         + factors.fused_softmax * shape.counted * v
-        + factors.fused_sweep * tiles_of(shape.counted, v) * h * v
+        + factors.fused_sweep * tiles_of(shape.counted, h, v) * h * v
         + factors.fused_buffer * h * v
     )
     return full + factors.full_call, fused + factors.fused_call
@@ -151,10 +159,8 @@ def predict_seconds(shape: HeadShape, factors: CostFactors) -> tuple[float, floa
 
 def predict_bytes(shape: HeadShape) -> tuple[float, float]:
     """``(full, fused)``: the LM head's predicted transient memory per micro-batch."""
-    from .fused_head import tile_rows_for
-
     per_logit = _dtype_bytes(shape.dtype) + 2 * FP32_BYTES  # logits, their float32 copy / gradient, log-softmax
-    tile = min(shape.counted, tile_rows_for(shape.vocab))
+    tile = min(shape.counted, tile_of(shape.counted, shape.hidden, shape.vocab))
     return shape.positions * shape.vocab * per_logit, FP32_BYTES * shape.hidden * shape.vocab + tile * shape.vocab * per_logit
 
 
@@ -203,6 +209,8 @@ def auto_problem(trainer: Any) -> str | None:
         return f"{name} computes its loss itself (an overridden `compute_loss` or a `compute_loss_func`)"
     if trainer._custom_training_step:
         return f"{name} overrides `training_step`"
+    if not trainer.gradacc.check_loss_at_start:
+        return "`check_loss_at_start=False`: nothing would stop a logit transform the fused head does not apply"
     if trainer.gradacc.defer_normalization:
         return "`defer_normalization=True` streams the micro-batches: the step's counts are not known before they run"
     sizes = getattr(trainer.backend, "_sizes", None) or {}
