@@ -48,7 +48,8 @@ def _grpo_options(opts: argparse.Namespace, trl_options: Callable[[argparse.Name
         raise GradAccConfigError(f"`--loss-type` is for `--trainer grpo`; drop it with `--trainer {opts.trainer}`")
     if opts.model is not None:
         raise GradAccConfigError(
-            f"`--trainer grpo` runs on the built-in tiny policy (its word tokenizer and reward); drop `--model {opts.model}`"
+            "`--trainer grpo` runs on the built-in tiny policy (its word tokenizer and reward); "
+            f"drop `--model {opts.model}`"
         )
     if getattr(opts, "distributed_config", None):
         raise GradAccConfigError("`--distributed_config` is for `--trainer trainer`; drop it with `--trainer grpo`")

@@ -4,8 +4,9 @@ against the float64 full-batch step of :mod:`.grpo_reference` (the loss written 
 One row per loss type. Each trainer trains the built-in tiny policy :data:`NUM_STEPS` SGD(lr=1) steps with
 ``steps_per_generation = 2 x gradient_accumulation_steps`` (half a generation batch per step) and ``num_iterations``
 2, so the second step trains on completions the first step's policy generated: the importance ratio is not 1 and
-clipping, soft gates and sequence weights act. Every step is compared with its reference (over every process's
-completions); a row shows each trainer's worst step.
+clipping, soft gates and sequence weights act. ``mask_truncated_completions`` masks the completions that reached
+``max_completion_length`` (DAPO's overlong filtering): rows with no token in the loss. Every step is compared with its
+reference (over every process's completions); a row shows each trainer's worst step.
 
 Example:
     ```python
@@ -76,12 +77,14 @@ class GRPORow:
 
 @dataclass(frozen=True, slots=True)
 class GRPOCheck:
-    """The rows, hf_gradacc's last trainer (for the set-up lines), and the completions per step over all processes."""
+    """The rows, hf_gradacc's last trainer (for the set-up lines), the completions per step over all processes, and the
+    lengths of the first step's completions (GradAccGRPOTrainer's last run)."""
 
     rows: tuple[GRPORow, ...]
     trainer: Any
     completions_per_step: int
     data_note: str
+    completion_lengths: tuple[int, ...] = ()
 
 
 def _all_ranks(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -113,7 +116,7 @@ def grpo_run(
         per_device_train_batch_size=per_device_train_batch_size, gradient_accumulation_steps=gas, seed=seed,
         max_steps=NUM_STEPS, steps_per_generation=2 * gas, num_iterations=NUM_ITERATIONS,
         num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION_LENGTH, beta=0.0, bf16=False,
-        loss_type=loss_type, **LOSS_CONFIG.get(loss_type, {}),
+        mask_truncated_completions=True, loss_type=loss_type, **LOSS_CONFIG.get(loss_type, {}),
     )  # fmt: skip
     settings.update(step_kwargs)
     settings.update(config)
@@ -149,7 +152,7 @@ def grpo_loss_type_rows(
     common = dict(per_device_train_batch_size=per_device_train_batch_size,
                   gradient_accumulation_steps=gradient_accumulation_steps, seed=seed,
                   step_kwargs=dict(step_kwargs or {}), world_size=world_size)  # fmt: skip
-    rows, ours_trainer, completions = [], None, 0
+    rows, ours_trainer, completions, lengths = [], None, 0, ()
     for loss_type in loss_types:
         worst: dict[str, Any] = {}
         errors: dict[str, tuple[float, ...]] = {}
@@ -176,6 +179,7 @@ def grpo_loss_type_rows(
             if name == "ours":
                 ours_trainer = trainer
                 completions = sum(int(mb["completion_ids"].size(0)) for mb in steps[0][1])
+                lengths = tuple(int(n) for mb in steps[0][1] for n in mb["completion_mask"].sum(dim=1))
                 last, micro_batches = steps[-1]
                 ratios = token_ratios(policy, micro_batches, trainer.policies_at_step, last)
                 outside = (ratios < 1 - settings.epsilon_low) | (ratios > 1 + settings.epsilon_high)
@@ -183,11 +187,13 @@ def grpo_loss_type_rows(
         rows.append(GRPORow(loss_type, worst["stock"], worst["ours"], errors["stock"], errors["ours"], clipped,
                             per_micro_batch))  # fmt: skip
     note = (
-        f"{NUM_STEPS} steps of {completions} completions each ({NUM_GENERATIONS} per prompt, at most "
-        f"{MAX_COMPLETION_LENGTH} tokens, mixed lengths), steps_per_generation {2 * gradient_accumulation_steps}, "
-        f"num_iterations {NUM_ITERATIONS}: step 2 trains on step 1's policy's completions (ratio != 1)"
+        f"{NUM_STEPS} steps of {completions} completions each ({NUM_GENERATIONS} per prompt, "
+        f"{min(lengths, default=0)} to {max(lengths, default=0)} tokens in the loss, truncated ones masked), "
+        "steps_per_generation "
+        f"{2 * gradient_accumulation_steps}, num_iterations {NUM_ITERATIONS}: step 2 trains on step 1's policy's "
+        "completions (ratio != 1)"
     )
-    return GRPOCheck(tuple(rows), ours_trainer, completions, note)
+    return GRPOCheck(tuple(rows), ours_trainer, completions, note, lengths)
 
 
 def grpo_exact(check: GRPOCheck, tolerance: float) -> bool:
@@ -229,7 +235,8 @@ def format_grpo_report(setup_lines: Sequence[str], check: GRPOCheck, tolerance: 
             "(*) bnpo is defined on the split: TRL's docstring normalises it \"over the local batch only\" (one "
             "micro-batch of one process). GradAccGRPOTrainer takes the whole step, over every process, as that batch "
             f"(then bnpo is dapo). Stock TRL against the definition taken per micro-batch: "
-            f"{bnpo.stock_to_per_micro_batch:.1e} ({'exact' if bnpo.stock_to_per_micro_batch <= tolerance else 'off'})."
+            f"{bnpo.stock_to_per_micro_batch:.1e} "
+            f"({'exact' if bnpo.stock_to_per_micro_batch <= tolerance else 'off'})."
         )]  # fmt: skip
     return "\n".join(lines)
 

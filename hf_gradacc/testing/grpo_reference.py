@@ -269,7 +269,8 @@ def token_ratios(
     policies_at_step: Mapping[int, Mapping[str, torch.Tensor]],
     step: int,
 ) -> torch.Tensor:
-    """Every completion token's importance ratio ``pi / pi_old`` at ``step`` (float64): how far off-policy it trains."""
+    """Every completion token's importance ratio ``pi / pi_old`` at ``step`` (float64): how far off-policy the step
+    trains."""
     with torch.no_grad():
         _, per_micro_batch = _completions(template, micro_batches, policies_at_step, step)
     ratios = [(logp - old).exp() for rows in per_micro_batch for logp, old, _ in rows]

@@ -4,9 +4,10 @@ full-batch step over the completions of BOTH processes (``hf_gradacc/testing/grp
 
 Each process: batch 2 x GA 4, ``steps_per_generation`` 8, ``num_iterations`` 2, two SGD(lr=1) steps (step 2 trains
 on step 1's policy's completions), 16 completions per step over the two processes. Measured (TRL 1.16): hf_gradacc
-7.9e-7 (``dapo``, ``bnpo``), 6.1e-7 (``grpo``), worst step; stock TRL ``dapo`` 4.0e-2 (the generation batch's tokens
-rescaled to one step), ``bnpo`` 0.46 (per micro-batch of one process; exact, 7.0e-7, against that definition),
-``grpo`` exact. The single-process rows of all eight loss types: tests/unit/test_grpo_loss_types.py.
+6.1e-7 (``dapo``, ``bnpo``), 7.1e-7 (``grpo``), worst step; stock TRL ``dapo`` 0.26 (the generation batch's tokens
+rescaled to one step), ``bnpo`` 0.39 (per micro-batch of one process; exact, 6.0e-7, against that definition),
+``grpo`` exact; 9 % (dapo) to 29 % (grpo) of step 2's tokens outside the clip range. The single-process rows of all
+eight loss types: tests/unit/test_grpo_loss_types.py.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def test_check_trainer_grpo_on_two_cpu_processes(tmp_path) -> None:
         ours = row["relative_error_per_step"]["GradAccGRPOTrainer"]
         stock = row["relative_error_per_step"]["GRPOTrainer"]
         assert len(ours) == 2 and max(ours) <= TOLERANCE, (loss_type, row)
-        assert row["clipped_token_fraction"] > 0.1, (loss_type, row)  # step 2 off-policy
+        assert row["clipped_token_fraction"] > 0.05, (loss_type, row)  # step 2 off-policy (9 % at least here)
         if loss_type in STOCK_EXACT:
             assert max(stock) <= TOLERANCE, (loss_type, row)
         else:

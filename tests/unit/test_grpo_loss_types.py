@@ -3,15 +3,16 @@ step of the loss as its paper / TRL's docstring defines it (``hf_gradacc/testing
 
 The run (``hf_gradacc/testing/check_grpo.py``, the rows of ``hf-gradacc check --trainer grpo``): the tiny Llama policy
 (vocabulary of 8 words: completions of 1 to 8 tokens), 2 completions per prompt, batch 2 x GA 4,
-``steps_per_generation`` 8 (half a generation batch per step), ``num_iterations`` 2, ``beta`` 0, two SGD(lr=1) steps:
-step 2 trains on completions step 1's policy generated, so the importance ratio is not 1 (41 % of its tokens outside
-PPO's clip range for ``dapo``) and the reference recomputes the old policy's log-probabilities from the parameters of
-the generation step. Every step of every loss type within 1e-5 (relative error of the update).
+``steps_per_generation`` 8 (half a generation batch per step), ``num_iterations`` 2, ``beta`` 0,
+``mask_truncated_completions`` (completions of 0 to 6 tokens in the loss), two SGD(lr=1) steps: step 2 trains on
+completions step 1's policy generated, so the importance ratio is not 1 (42 % of its tokens outside PPO's clip range
+for ``dapo``) and the reference recomputes the old policy's log-probabilities from the parameters of the generation
+step. Every step of every loss type within 1e-5 (relative error of the update).
 
 Measured (TRL 1.16, CPU; ``python -m pytest -q -s tests/unit/test_grpo_loss_types.py`` prints them), worst step:
-hf_gradacc 1.6e-7 to 7.2e-7 on all eight; stock TRL ``grpo``, ``dr_grpo``, ``sapo``, ``luspo`` exact (equal rows per
-micro-batch), ``dapo`` / ``cispo`` / ``vespo`` 4.2e-2 (the generation batch's tokens rescaled to one step), ``bnpo``
-0.36 (per micro-batch, as TRL's docstring defines it: stock TRL is exact against that definition, 4.0e-7).
+hf_gradacc 2.0e-7 to 1.0e-6 on all eight; stock TRL ``grpo``, ``dr_grpo``, ``sapo``, ``luspo`` exact (equal rows per
+micro-batch), ``dapo`` / ``cispo`` / ``vespo`` 5.5e-2 (the generation batch's tokens rescaled to one step), ``bnpo``
+0.31 (per micro-batch, as TRL's docstring defines it: stock TRL is exact against that definition, 5.3e-7).
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def test_each_loss_type_is_the_full_batch_step_at_every_step(check, loss_type: s
         f"{row.clipped_fraction:.0%} of step 2's tokens outside the clip range"
     )
     assert len(row.ours_steps) == 2 and max(row.ours_steps) <= TOL, row
-    assert row.clipped_fraction > 0.1  # step 2 trains off-policy: a reference at ratio 1 would not do
+    assert len(set(check.completion_lengths)) > 2, check.completion_lengths  # equal lengths would hide the bug
+    assert 0 in check.completion_lengths  # a truncated completion masked out entirely (mask_truncated_completions)
+    assert row.clipped_fraction > 0.05  # step 2 trains off-policy (12 % at least): a reference at ratio 1 fails
 
 
 @pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
@@ -121,14 +124,15 @@ def test_one_count_off_by_one_fails(tmp_path, monkeypatch, loss_type: str, kind:
 
 # ---------------------------------------------------------------------------------------------- the command
 def test_check_trainer_grpo_prints_one_row_per_loss_type(tmp_path, capsys) -> None:
-    """``hf-gradacc check --trainer grpo --loss-type dapo luspo``: one row each, stock and ours, JSON with every step;
-    exit 0 (GradAccGRPOTrainer exact on both)."""
+    """``hf-gradacc check --trainer grpo --loss-type dapo luspo`` (GA 2, so steps_per_generation 4): one row each,
+    stock and ours, JSON with every step; exit 0 (GradAccGRPOTrainer exact on both)."""
     import json
 
     from hf_gradacc.commands.hf_gradacc_cli import main
 
     report = tmp_path / "grpo.json"
-    status = main(["check", "--trainer", "grpo", "--loss-type", "dapo", "luspo", "--json", str(report)])
+    argv = ["--trainer", "grpo", "--loss-type", "dapo", "luspo", "--gradient_accumulation_steps", "2"]
+    status = main(["check", *argv, "--json", str(report)])
     out = capsys.readouterr().out
     assert status == 0, out
     rows = [line.split() for line in out.splitlines() if line.startswith("  ") and line.split()[0] in GRPO_LOSS_TYPES]
@@ -137,6 +141,7 @@ def test_check_trainer_grpo_prints_one_row_per_loss_type(tmp_path, capsys) -> No
     assert "GradAccGRPOTrainer is exact on all 2 loss types" in out
     data = json.loads(report.read_text())
     assert set(data["loss_types"]) == {"dapo", "luspo"} and data["is_exact"]
+    assert data["setup"]["gradient_accumulation_steps"] == 2 and data["setup"]["num_samples"] == 4
     steps = data["loss_types"]["dapo"]["relative_error_per_step"]["GradAccGRPOTrainer"]
     assert len(steps) == 2 and max(steps) <= TOL
 
