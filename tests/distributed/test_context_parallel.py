@@ -1,0 +1,40 @@
+"""Context parallelism (accelerate ``cp_size`` 2 x FSDP2) on 2 CPU ranks (gloo), one launch.
+
+What runs is upstream's, end to end: accelerate's ``parallelism_config`` mesh (FSDP2 over ``dp_shard_cp``), its
+``_prepare_cp`` and attention-mask hooks, the Trainer's context-parallel entry, torch's ``context_parallel`` cutting
+the buffers with its head-tail load balancer, the dataloader dealing one batch to both cp ranks. Only the attention
+kernel is a stand-in (tests/distributed/workers/cpu_context_parallel.py: an exact all-gather attention by global
+position; torch 2.13 has no CPU sharding rule for SDPA), so the numbers here check the counting and the loss scale
+on real collectives. On CUDA, with torch's own ring attention: tests/gpu/test_context_parallel.py.
+
+Exact: relative gradient error <= 1e-5 against the float64 full batch (mixed lengths, heavy padding, masked prompts).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.launcher import run_workers
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).resolve().parent / "workers" / "context_parallel_cpu_cases.py"
+TOLERANCE = 1e-5
+
+
+def test_cp_2_on_cpu_ranks_is_the_full_batch_step():
+    """GradAccTrainer: each cp rank counts its own chunks' targets (summed over both ranks in the step's one
+    collective), the loss is scaled by the 2 ranks FSDP2 averages over: exact, every parameter moved. A sequence
+    classifier is refused at construction, by name. (The stock Trainer on the same launch, worker argument ``stock``:
+    3.6e-07, exact too for a causal LM: it counts before the cut and divides the gathered count by ``cp_size``.)"""
+    result = run_workers(WORKER, nproc=2, method="torchrun", timeout=300)
+    ranks = result.load("cp")
+    ours = ranks[0]["gradacc"]
+    assert ours["cp_size"] == 2 and sorted(r["gradacc"]["cp_rank"] for r in ranks) == [0, 1], ranks
+    assert ours["update"]["relative_error"] <= TOLERANCE, ours
+    assert ours["moved"] == ours["parameters"], ours
+    print("cp 2 x FSDP2 on CPU:", ours["update"])
+    refused = ranks[0]["sequence_classification"]
+    assert refused["error_type"] == "GradAccConfigError" and "sequence_classification" in refused["error"], refused
