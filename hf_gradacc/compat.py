@@ -115,6 +115,13 @@ TRL_MEMBERS: tuple[PrivateMember, ...] = (
                   used_by="trl/grpo.py: the entropy bonus kept as its own term"),
     PrivateMember(owner="trl.GRPOTrainer", name="_last_world_entropy", kind="attribute",
                   used_by="trl/grpo.py: the entropy coefficient a step used (adaptive entropy)"),
+    PrivateMember(owner="trl.KTOTrainer", name="_compute_kl_logps", kind="override", params=("model", "batch"),
+                  used_by="trl/kto.py: the step's KL estimate handed to TRL's loss"),
+    PrivateMember(owner="trl.KTOTrainer", name="calculate_KL", kind="attribute", used_by="trl/kto.py: KL estimate"),
+    *(PrivateMember(owner=f"trl.{t}", name=name, kind=kind, used_by=f"trl/{t[:-7].lower()}.py: generation at fetch",
+                    params=("generation_batch",) if kind == "override" else ())
+      for t in ("RLOOTrainer", "DistillationTrainer")
+      for name, kind in (("_prepare_inputs", "override"), ("_step", "attribute"), ("_current_train_step_time", "attribute"))),
 )  # fmt: skip
 
 # accelerate: the sync flag the Trainer and accelerate's optimizer wrapper read, and what the opt-in CPU patches touch.

@@ -67,7 +67,7 @@ def _reward_model(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return AutoModelForSequenceClassification.from_config(config)
 
 
-def _train(trainer_class: type, model: torch.nn.Module, **trainer_kwargs: Any) -> tuple[dict[str, torch.Tensor], Any]:
+def _one_update(trainer_class: type, model: torch.nn.Module, **trainer_kwargs: Any) -> tuple[dict[str, torch.Tensor], Any]:
     from .one_step import full_parameters
 
     policy = copy.deepcopy(model)
@@ -144,7 +144,7 @@ def more_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size
             trainer_class = type(f"Recording{trainer_class.__name__}", (more.CompletionRecorder, trainer_class), {})
         args = one_step_args(args_class=config_class, bf16=False, **step_kwargs, **config)
         kwargs = {k: copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v for k, v in extra.items()}
-        update, trainer = _train(trainer_class, model, args=args, train_dataset=dataset, processing_class=tokenizer,
+        update, trainer = _one_update(trainer_class, model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                  **kwargs)  # fmt: skip
         # Each run's own completions (on-policy): compared with the reference over them.
         reference = _reference(kind, model, trainer, extra, rows if not on_policy else None, bs, _all_ranks)

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from trl import KTOConfig, KTOTrainer
 
+from ..compat import installed_version
 from ..config import GradAccArguments
-from ..errors import GradAccConfigError
+from ..errors import GradAccCompatibilityError, GradAccConfigError
 from ..loss import LossTerm
 from ..mixin import GradAccMixin
 from ._common import check_args_class, refuse_uneven_micro_batches, split_outputs, training_window, with_outputs
@@ -157,15 +158,25 @@ class GradAccKTOTrainer(GradAccMixin, KTOTrainer):
         if window is None:
             return KTOTrainer.compute_loss(self, model, inputs, return_outputs=return_outputs)
         trl_inputs = {k: v for k, v in inputs.items() if k != KL_ESTIMATE_KEY}
+        replies = None
         if self.calculate_KL:
             estimate = inputs[KL_ESTIMATE_KEY]
             if self.precompute_ref_logps:  # TRL reads the reference's values from the batch, not _compute_kl_logps
                 trl_inputs["ref_KL_logps"] = torch.zeros_like(trl_inputs["ref_KL_logps"])
-            self._kl_replies = iter([estimate, torch.zeros_like(estimate)])
+                replies = iter([estimate])
+            else:
+                replies = iter([estimate, torch.zeros_like(estimate)])
+            self._kl_replies = replies
         try:
             out = KTOTrainer.compute_loss(self, model, trl_inputs, return_outputs=return_outputs)
         finally:
             self._kl_replies = None
+        if replies is not None and next(replies, None) is not None:
+            raise GradAccCompatibilityError(
+                f"TRL {installed_version('trl')}'s KTO loss did not ask `_compute_kl_logps` for the policy's and the "
+                "reference's mismatched-pair log-probabilities as TRL 1.16 does, so the step's KL estimate did not "
+                "reach it. Use a TRL release hf_gradacc supports for KTO (docs/compatibility.md)."
+            )
         loss, outputs = split_outputs(out, return_outputs)
         samples = LossTerm(total=loss * window.current_counts.num_samples, normalize_by="samples")
         return with_outputs(samples, return_outputs, outputs)

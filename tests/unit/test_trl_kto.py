@@ -110,6 +110,21 @@ def test_apo_zero_unpaired_is_exact(tmp_path, models) -> None:
     assert compare(update, reference(models, (2, 4), loss_type="apo_zero_unpaired")).relative_error <= TOL
 
 
+def test_precomputed_reference_log_probs_are_exact(tmp_path, models) -> None:
+    update, _ = kto_run(GradAccKTOTrainer, GradAccKTOConfig, models, tmp_path, precompute_ref_log_probs=True)
+    assert compare(update, reference(models, (2, 4))).relative_error <= TOL
+
+
+def test_a_trl_that_does_not_ask_for_the_kl_log_probs_is_refused(tmp_path, models, monkeypatch) -> None:
+    """Were TRL's loss to stop calling ``_compute_kl_logps`` (renamed upstream), the step's estimate would not reach
+    it and TRL's per-micro-batch estimate would train silently: the step stops instead."""
+    from hf_gradacc.errors import GradAccCompatibilityError
+
+    monkeypatch.setattr(GradAccKTOTrainer, "_compute_kl_logps", KTOTrainer._compute_kl_logps)
+    with pytest.raises(GradAccCompatibilityError, match="did not ask `_compute_kl_logps`"):
+        kto_run(GradAccKTOTrainer, GradAccKTOConfig, models, tmp_path)
+
+
 def test_a_built_kto_trainer_is_made_exact(tmp_path, models) -> None:
     update, trainer = kto_run(KTOTrainer, KTOConfig, models, tmp_path, exact=True)
     assert isinstance(trainer, GradAccKTOTrainer)
@@ -164,15 +179,16 @@ def test_what_kto_cannot_make_exact_is_refused(tmp_path, models, knob, match) ->
 
 
 # ---------------------------------------------------------------------------------------------- hf-gradacc check
-@pytest.mark.parametrize(("kind", "stock_off"), [("kto", True), ("reward", True), ("rloo", False)])
+@pytest.mark.parametrize(("kind", "stock_off"), [("kto", True), ("reward", True)])
 def test_check_trainer_prints_stock_and_ours_against_the_full_batch(capsys, kind, stock_off) -> None:
-    """`hf-gradacc check --trainer kto / reward / rloo`: both rows against the float64 full batch at batch 2 x GA 4
-    (2 + 2 + 2 + 1 samples for kto and reward; 8 completions for rloo, whose stock trainer is exact too)."""
+    """`hf-gradacc check --trainer kto / reward`: both rows against the float64 full batch at batch 2 x GA 4 (2 + 2 +
+    2 + 1 samples). The rloo / distillation rows run in tests/distributed/test_trl_more.py (the same function,
+    `more_one_step`, on 2 ranks)."""
     from hf_gradacc.commands.hf_gradacc_cli import main
 
     assert main(["check", "--trainer", kind]) == 0
     out = capsys.readouterr().out
-    name = {"kto": "KTO", "reward": "Reward", "rloo": "RLOO"}[kind]
+    name = {"kto": "KTO", "reward": "Reward"}[kind]
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip().endswith(("exact", "WRONG"))}
     ours, stock = rows[f"GradAcc{name}Trainer"], rows[f"{name}Trainer"]
     assert float(ours[1]) <= TOL and ours[-1] == "exact"
