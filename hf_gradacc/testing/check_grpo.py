@@ -54,7 +54,9 @@ NORMALISERS: dict[str, str] = {
 }
 # The settings of each loss type's paper (TRL's defaults otherwise).
 LOSS_CONFIG: dict[str, dict[str, Any]] = {
-    "cispo": {"epsilon_high": 5.0},  # ScaleRL's eps_max (TRL's docstring); the default 0.2 caps every ratio
+    # CISPO caps the ratio at eps_max (TRL's `epsilon_high`, an absolute cap: its default 0.2 caps every ratio).
+    # ScaleRL's 5.0 hardly binds on the tiny policy: 1.2 caps a share of step 2's tokens, so the cap is checked.
+    "cispo": {"epsilon_high": 1.2},
     "luspo": {"importance_sampling_level": "sequence"},  # LUSPO (TRL warns otherwise)
 }
 
@@ -63,7 +65,8 @@ LOSS_CONFIG: dict[str, dict[str, Any]] = {
 class GRPORow:
     """One loss type: each trainer's worst step (:class:`~hf_gradacc.testing.reference.Comparison`), every step's
     relative error, the share of the last step's completion tokens (GradAccGRPOTrainer's run) whose importance ratio
-    is outside PPO's clip range ``[1 - epsilon, 1 + epsilon_high]``, and stock TRL's distance to ``bnpo`` taken per
+    is clipped (outside PPO's range ``[1 - epsilon, 1 + epsilon_high]``; ``cispo``: above its cap ``epsilon_high``;
+    ``sapo`` and ``vespo``, which gate softly, outside PPO's range too), and stock TRL's distance to ``bnpo`` taken per
     micro-batch (``None`` for the other loss types)."""
 
     loss_type: str
@@ -182,7 +185,10 @@ def grpo_loss_type_rows(
                 lengths = tuple(int(n) for mb in steps[0][1] for n in mb["completion_mask"].sum(dim=1))
                 last, micro_batches = steps[-1]
                 ratios = token_ratios(policy, micro_batches, trainer.policies_at_step, last)
-                outside = (ratios < 1 - settings.epsilon_low) | (ratios > 1 + settings.epsilon_high)
+                if loss_type == "cispo":
+                    outside = ratios > settings.epsilon_high
+                else:
+                    outside = (ratios < 1 - settings.epsilon_low) | (ratios > 1 + settings.epsilon_high)
                 clipped = float(outside.double().mean()) if ratios.numel() else 0.0
         rows.append(GRPORow(loss_type, worst["stock"], worst["ours"], errors["stock"], errors["ours"], clipped,
                             per_micro_batch))  # fmt: skip
@@ -221,7 +227,8 @@ def format_grpo_report(setup_lines: Sequence[str], check: GRPOCheck, tolerance: 
     wrong = [r.loss_type for r in check.rows if not r.stock.is_exact(tolerance)]
     note = (
         f"Relative gradient error, worst of the steps (tolerance {tolerance:g}); the last column: the share of step "
-        "2's completion tokens whose importance ratio is outside [1 - epsilon, 1 + epsilon_high]. TRL is off on "
+        "2's completion tokens whose importance ratio is outside [1 - epsilon, 1 + epsilon_high] (cispo: above its "
+        "cap epsilon_high, 1.2 here). TRL is off on "
         f"{', '.join(wrong) if wrong else 'none'} of these loss types here: "
         "dapo, cispo and vespo divide by the generation batch's tokens rescaled to one step (the step's own count "
         "only when a generation batch is exactly one step), bnpo by each micro-batch's tokens; the per-sequence "
