@@ -397,9 +397,9 @@ def fused_support_problem(model: nn.Module, head_type: str | None, *, distribute
         )
     if distributed and head_type not in DISTRIBUTED_FUSED_HEADS:
         return f"the {head_type!r} head is tested on one process only; on several, {DISTRIBUTED_FUSED_HEADS}"
-    from .multimodal import row_split_problem  # its start-up check runs one row of the micro-batch
+    from .multimodal import fused_head_problem  # its start-up check runs one row of the micro-batch
 
-    return row_split_problem(base)
+    return fused_head_problem(base)
 
 
 def check_fused_setting(trainer: Any) -> None:
