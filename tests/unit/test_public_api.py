@@ -96,3 +96,38 @@ def transformers_args(tmp_path):
     from transformers import TrainingArguments
 
     return TrainingArguments(output_dir=str(tmp_path), report_to="none")
+
+
+TRL_EXPECTED_ALL = [
+    "GradAccDPOConfig",
+    "GradAccDPOTrainer",
+    "GradAccDistillationConfig",
+    "GradAccDistillationTrainer",
+    "GradAccGRPOConfig",
+    "GradAccGRPOTrainer",
+    "GradAccKTOConfig",
+    "GradAccKTOTrainer",
+    "GradAccRLOOConfig",
+    "GradAccRLOOTrainer",
+    "GradAccRewardConfig",
+    "GradAccRewardTrainer",
+    "GradAccSFTConfig",
+    "GradAccSFTTrainer",
+    "TRLDependencyError",
+]
+
+
+def test_trl_all_is_frozen_and_its_classes_document_an_example() -> None:
+    """hf_gradacc.trl's names (KTO, RLOO and Distillation from TRL 1.16 on); asking an older TRL for one of those
+    names the version instead of an AttributeError."""
+    pytest.importorskip("trl")
+    import hf_gradacc.trl as gradacc_trl
+    from hf_gradacc.compat import trl_at_least
+
+    newer = trl_at_least(gradacc_trl.TRL_MORE_TRAINERS)
+    assert gradacc_trl.__all__ == [n for n in TRL_EXPECTED_ALL if newer or n not in gradacc_trl._MORE_TRAINERS]
+    for name in gradacc_trl.__all__:
+        if name != "TRLDependencyError":
+            assert "Example:" in (getattr(gradacc_trl, name).__doc__ or ""), name
+    with pytest.raises(gradacc_trl.TRLDependencyError, match=r"GradAccKTOTrainer needs trl>=1\.16"):
+        gradacc_trl.__getattr__("GradAccKTOTrainer")
