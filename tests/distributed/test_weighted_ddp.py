@@ -1,7 +1,8 @@
 """Weighted losses (``loss_weights``) under DDP on 2 CPU ranks (gloo), per-device batch 2 x GA 4: the step's
 denominator is the weight sum of every rank's counted targets (one count collective), exact against the float64
-full batch of all 16 samples (relative error <= 1e-5), per-token and per-sample weights (packing: tests/unit/test_weighted_loss.py); the same step
-with ONE token's weight missing from rank 1's sum fails the check. Worker: workers/weighted_cases.py."""
+full batch of all 16 samples (relative error <= 1e-5) with per-token weights (per-sample, packed and regrouped
+weights: tests/unit/test_weighted_loss.py); the same step with ONE token's weight missing from rank 1's sum fails
+the check. Worker: workers/weighted_cases.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
 
     worker = Path(__file__).resolve().parent / "workers" / "weighted_cases.py"
     launch = run_workers(worker, nproc=2, timeout=300, out_dir=tmp_path_factory.mktemp("weighted"))
-    out = {name: launch.load(name) for name in ("plain", "per_sample", "one_token_short")}
+    out = {name: launch.load(name) for name in ("plain", "one_token_short")}
     for name, ranks in out.items():
         for r, payload in enumerate(ranks):
             if "error" in payload:
@@ -27,9 +28,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["plain", "per_sample"])
-def test_weighted_step_on_two_ranks_is_exact(results, case):
-    for payload in results[case]:
+def test_weighted_step_on_two_ranks_is_exact(results):
+    for payload in results["plain"]:
         assert payload["dp_world_size"] == 2 and payload["global_step"] == 1
         assert payload["relative_error"] <= TOLERANCE, payload
         assert payload["max_abs_diff_vs_rank0"] == 0.0  # the replicas agree

@@ -252,3 +252,20 @@ def test_evaluation_loss_is_the_weighted_mean() -> None:
     with torch.no_grad():
         expected = float(full_batch_loss(float64_copy(model), batch, "causal_lm"))
     assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_weighted_loss_example_is_exact_and_trains(tmp_path) -> None:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "weighted_loss.py"
+    spec = importlib.util.spec_from_file_location("weighted_loss_example", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["weighted_loss_example"] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    summary = module.main(["--output_dir", str(tmp_path), "--max_steps", "1", "--per_device_train_batch_size", "2",
+                           "--gradient_accumulation_steps", "4", "--report_to", "none", "--use_cpu", "true",
+                           "--save_strategy", "no", "--disable_tqdm", "true", "--num_samples", "16"])  # fmt: skip
+    assert summary["relative_error"] <= TOL, summary
+    assert summary["steps"] == 1 and summary["changed"] and 0 < summary["train_loss"] < 10

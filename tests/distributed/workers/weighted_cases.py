@@ -2,7 +2,7 @@
 GradAccTrainer over a ``loss_weights`` column, against the float64 full batch of every rank's samples
 (hf_gradacc/testing/reference.py), and the same step with rank 1's weight sum one token short (the check must fail).
 
-    python weighted_cases.py --cases plain,per_sample,one_token_short      # started by tests/distributed/launcher.run_workers
+    python weighted_cases.py --cases plain,one_token_short      # started by tests/distributed/launcher.run_workers
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.distributed.workers._common import rank, run_named_cases, world_size
 BS, GA = 2, 4
 
 
-def _samples(per_sample: bool) -> list[dict]:
+def _samples(per_sample: bool = False) -> list[dict]:
     """One window over every rank: mixed lengths, masked prompts, weights in [0, 3) (a quarter of tokens 0; per
     sample, every sixth sample 0)."""
     g = torch.Generator().manual_seed(7)
@@ -72,7 +72,7 @@ def one_token_short() -> dict:
     return _step(_samples(per_sample=False))
 
 
-CASES = {"plain": plain, "per_sample": lambda: _step(_samples(per_sample=True)), "one_token_short": one_token_short}
+CASES = {"plain": plain, "one_token_short": one_token_short}
 
 if __name__ == "__main__":
     run_named_cases(CASES, __doc__)
