@@ -461,10 +461,17 @@ def _check_one(opts: argparse.Namespace) -> int:
             # Exactly one window for all ranks: every rank builds the same samples, the reference sees all of them.
             samples = synthetic_samples(task, bs * gas * _data_ranks(opts, world_size), opts.seed, model)
             num_samples = len(samples)
-            results, trainer, router_logs = _trainer_pair(
-                model, task, samples, collator, step_kwargs, scenario=opts.scenario, verbose=opts.verbose,
-                distributed_config=opts.distributed_config,
-            )
+            if opts.scenario == "moe_global":  # stock, per micro-batch and global-batch balance, against definition B
+                from ..testing.check_moe import GLOBAL_NAME, moe_global_results
+
+                names = (GLOBAL_NAME, "Trainer")
+                results, trainer, router_logs = moe_global_results(model, samples, collator, step_kwargs,
+                                                                   verbose=opts.verbose)  # fmt: skip
+            else:
+                results, trainer, router_logs = _trainer_pair(
+                    model, task, samples, collator, step_kwargs, scenario=opts.scenario, verbose=opts.verbose,
+                    distributed_config=opts.distributed_config,
+                )
         else:
             from ..testing.check_trl import trl_one_step, trl_trainer_names
 
@@ -488,6 +495,10 @@ def _check_one(opts: argparse.Namespace) -> int:
     if is_main:
         if opts.trainer == "trainer":
             note = report.stock_note(stock, opts.tolerance, task, has_router=has_router)
+            if opts.scenario == "moe_global":
+                from ..testing.check_moe import moe_global_note
+
+                note, router_logs = moe_global_note(results, router_logs), {}
         else:
             from ..testing.check_trl import trl_stock_note
 

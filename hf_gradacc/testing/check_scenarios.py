@@ -52,7 +52,7 @@ _ARCHITECTURE_SUFFIXES: tuple[tuple[str, str], ...] = (
 )
 _SEQUENCE_HEADS = ("sequence_classification", "regression", "multi_label_classification")
 MAX_SAMPLE_LENGTH = 40
-SCENARIOS: tuple[str, ...] = ("default", "no_loss_kwargs", "plain_compute_loss", "moe_mixtral", "moe_qwen3")
+SCENARIOS: tuple[str, ...] = ("default", "no_loss_kwargs", "plain_compute_loss", "moe_mixtral", "moe_qwen3", "moe_global")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,7 +118,7 @@ def load_check_model(
     """
     from .tiny import PAD_TOKEN_ID, build_tiny_model
 
-    if scenario in ("no_loss_kwargs", "moe_mixtral", "moe_qwen3"):
+    if scenario in ("no_loss_kwargs", "moe_mixtral", "moe_qwen3", "moe_global"):
         if model is not None or (task or "causal_lm") != "causal_lm":
             raise GradAccConfigError(f"`--scenario {scenario}` builds its own tiny causal LM: drop --model and --task")
         if scenario == "no_loss_kwargs":
@@ -126,7 +126,7 @@ def load_check_model(
             return LoadedModel(twin, "causal_lm", "built-in tiny model, accepts_loss_kwargs=False", PAD_TOKEN_ID)
         from .tiny import build_tiny_moe
 
-        family = "mixtral" if scenario == "moe_mixtral" else "qwen3_moe"
+        family = "qwen3_moe" if scenario == "moe_qwen3" else "mixtral"  # moe_global: Mixtral, three ways against B
         return LoadedModel(build_tiny_moe(family, seed=seed), "causal_lm", f"built-in tiny {family} MoE", PAD_TOKEN_ID)
     if model is None:
         task = task or "causal_lm"

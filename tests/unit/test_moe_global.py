@@ -186,3 +186,40 @@ def test_unreadable_router_statistics_are_refused_by_name() -> None:
     doubled.load_state_dict(base.state_dict())
     with pytest.raises(GradAccConfigError, match=r"own load-balancing loss .* is not E x sum_e f_e x P_e"):
         one_step_update(GradAccTrainer, doubled, _samples(), args)
+
+
+def test_cli_check_scenario_moe_global(tmp_path, capsys) -> None:
+    """`hf-gradacc check --scenario moe_global`: three rows against definition B; only the global one is exact."""
+    import json
+
+    from hf_gradacc.commands.hf_gradacc_cli import main
+    from hf_gradacc.testing.check_moe import GLOBAL_NAME, MICRO_NAME, STOCK_NAME
+
+    report = tmp_path / "check.json"
+    assert main(["check", "--scenario", "moe_global", "--json", str(report)]) == 0
+    results = json.loads(report.read_text())["results"]
+    assert results[GLOBAL_NAME]["relative_error"] <= TOLERANCE
+    assert results[MICRO_NAME]["relative_error"] > 100 * TOLERANCE and results[STOCK_NAME]["relative_error"] > 1e-3
+    out = capsys.readouterr().out
+    assert "definition B" in out and "The router weights alone" in out
+
+
+def test_example_prints_its_numbers(tmp_path) -> None:
+    """examples/moe_global_balance.py: global_batch within the router tolerance at both splits, micro_batch off by
+    more than 1 % and different at the two splits; training logs the expert load."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "moe_global_balance.py"
+    spec = importlib.util.spec_from_file_location("moe_global_example", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["moe_global_example"] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    result = module.main(["--output_dir", str(tmp_path), "--max_steps", "1", "--num_samples", "16", "--report_to",
+                          "none", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
+                          "--use_cpu", "true", "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "1"])  # fmt: skip
+    assert result["global_batch_2x4"] <= ROUTER_TOLERANCE and result["global_batch_1x8"] <= ROUTER_TOLERANCE
+    assert min(result["micro_batch_2x4"], result["micro_batch_1x8"]) > 1e-2
+    assert abs(result["micro_batch_2x4"] - result["micro_batch_1x8"]) > 1e-2
+    assert result["steps"] == 1 and result["load"] >= 1.0
