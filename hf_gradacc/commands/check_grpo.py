@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -51,6 +52,13 @@ def _grpo_options(opts: argparse.Namespace, trl_options: Callable[[argparse.Name
             "`--trainer grpo` runs on the built-in tiny policy (its word tokenizer and reward); "
             f"drop `--model {opts.model}`"
         )
+    sharded = [name for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP") if _env_flag(name)]
+    if sharded:
+        raise GradAccConfigError(
+            f"`--trainer grpo` runs on one process or DDP ({sharded[0]} is set): its float64 reference reads the "
+            "policy's full parameters at every step and generation, which DeepSpeed and FSDP2 shard. Launch it with "
+            "examples/accelerate_configs/ddp_cpu.yaml (or torchrun), or drop `--trainer grpo`"
+        )
     if getattr(opts, "distributed_config", None):
         raise GradAccConfigError("`--distributed_config` is for `--trainer trainer`; drop it with `--trainer grpo`")
     trl_options(opts)
@@ -61,6 +69,10 @@ def _grpo_options(opts: argparse.Namespace, trl_options: Callable[[argparse.Name
             f"`--loss-type` {unknown[0]!r} is not a GRPO loss type; one of {list(GRPO_LOSS_TYPES)}"
         )
     return loss_types
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "y", "on")
 
 
 def _error(message: Any) -> None:

@@ -160,3 +160,12 @@ def test_check_trainer_grpo_refuses_what_it_cannot_run(capsys, argv, message) ->
 
     assert main(["check", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_check_trainer_grpo_refuses_sharded_backends(capsys, monkeypatch) -> None:
+    """The reference reads the full parameters at every step: under a DeepSpeed or FSDP2 launch it would read shards."""
+    from hf_gradacc.commands.hf_gradacc_cli import main
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert main(["check", "--trainer", "grpo"]) == 2
+    assert "runs on one process or DDP (ACCELERATE_USE_DEEPSPEED is set)" in capsys.readouterr().err
