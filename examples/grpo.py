@@ -5,7 +5,9 @@ completion tokens rescaled to one step; ``bnpo``: the micro-batch's own tokens, 
 is the optimizer step's count only when one generation batch is exactly one step and, for ``bnpo``, every micro-batch
 holds as many completion tokens. Here the completions are generated when the step's micro-batches are fetched, counted
 over every micro-batch and process, and every step is the mean over ALL its completion tokens (or sequences, by
-``--loss_type``), whatever ``--steps_per_generation`` and ``--num_iterations``.
+``--loss_type``), whatever ``--steps_per_generation`` and ``--num_iterations``. ``hf-gradacc check --trainer grpo``
+checks every ``--loss_type`` against its float64 definition (docs/rl.md); ``bnpo``'s "local batch" is the whole step
+here, so a ``bnpo`` step is a ``dapo`` step.
 
     python examples/grpo.py --output_dir out/grpo --use_cpu true --bf16 false --max_steps 2 --logging_steps 1 \
         --per_device_train_batch_size 2 --gradient_accumulation_steps 4 --num_generations 2 \
