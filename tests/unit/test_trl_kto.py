@@ -8,8 +8,9 @@ mean over ALL the step's mismatched pairs, clamped at 0). Whole step in one micr
 micro-batches (2+2+2+1 at batch 2 x GA 4). Tolerance: relative error <= 1e-5.
 
 Measured (TRL 1.16, CPU, float32): GradAccKTOTrainer 5.3e-07 (7 x 1) and 5.5e-07 (2 x 4); stock KTOTrainer exact at
-7 x 1 (5.3e-07) and 0.24 off at 2 x 4 (it estimates z0 per micro-batch, 0.170 logged against the step's 0.194, and
-averages micro-batch means).
+7 x 1 (5.3e-07) and 0.24 off at 2 x 4 on this data (it estimates z0 per micro-batch, 0.170 logged against the step's
+0.194, and averages micro-batch means). Stock's row is asserted off by the ``hf-gradacc check --trainer kto`` test
+below (0.31 on the check's data) and on 2 ranks (tests/distributed/test_trl_more.py, 0.30).
 """
 
 from __future__ import annotations
@@ -96,13 +97,6 @@ def test_kto_step_equals_the_full_batch_with_the_steps_kl_estimate(tmp_path, mod
     z0 = kto_kl_estimate(*models, kto_rows(7), split[0])
     assert z0 > 0.1  # the reference point matters in this step
     assert train_log(trainer)["kl"] == pytest.approx(z0, rel=1e-5)  # TRL's logged kl: the step's estimate
-
-
-def test_stock_kto_is_off_with_unequal_micro_batches(tmp_path, models) -> None:
-    update, trainer = kto_run(KTOTrainer, KTOConfig, models, tmp_path)
-    error = compare(update, reference(models, (2, 4))).relative_error
-    print(f"stock KTOTrainer 2 x GA 4: relative error {error:.3g}; logged kl {train_log(trainer)['kl']:.4g}")
-    assert error > 0.05
 
 
 def test_apo_zero_unpaired_is_exact(tmp_path, models) -> None:
