@@ -282,6 +282,8 @@ def decide(trainer: Any, window: Any) -> FusedChoice:
     every rank decides alike), logged once on the main process."""
     if window is None or window.streamed:
         choice = FusedChoice(enabled=False, reason="the step's counts are not known before its micro-batches run")
+    elif window.counts.weighted:  # hf_gradacc.weights: the tiles sum unweighted targets
+        choice = FusedChoice(enabled=False, reason="the step's batches carry `loss_weights`, which the fused head does not weigh")
     else:
         choice = choose(shape_of(trainer, window), state_bytes=training_state_bytes(trainer.model))
     if trainer.args.process_index == 0:

@@ -269,3 +269,16 @@ def test_weighted_loss_example_is_exact_and_trains(tmp_path) -> None:
                            "--save_strategy", "no", "--disable_tqdm", "true", "--num_samples", "16"])  # fmt: skip
     assert summary["relative_error"] <= TOL, summary
     assert summary["steps"] == 1 and summary["changed"] and 0 < summary["train_loss"] < 10
+
+
+def test_automatic_fused_head_stays_off_for_weighted_steps(monkeypatch) -> None:
+    """fused_lm_head=None (automatic) never picks the fused head for a weighted step (it would be refused), even where
+    the cost model would."""
+    import hf_gradacc.fused_choice as fused_choice
+
+    monkeypatch.setattr(fused_choice, "choose", lambda *a, **k: fused_choice.FusedChoice(enabled=True, reason="forced"))
+    samples = weighted_samples("causal_lm", "per_sample", seed=4)
+    update, trainer, model = one_step("causal_lm", samples)
+    assert trainer._fused_choice is not None and not trainer._fused_choice.enabled
+    comparison = compare_with_reference(update, model, samples, "causal_lm", data_collator=collator())
+    assert comparison.relative_error <= TOL, comparison
