@@ -422,7 +422,8 @@ class PackedCollator:
     Why the first label: a causal LM predicts ``labels[i]`` from position ``i - 1``; the position before a sample's
     first token is the previous sample's last token, so masking each sample's first label cuts every boundary. The
     targets left are each sample's tokens 1..n-1, exactly those of the padded batch. Samples may hold ``input_ids``,
-    ``labels`` (same length; lists or 1-D tensors) and an all-ones ``attention_mask``; anything else is an error.
+    ``labels`` (same length; lists or 1-D tensors), an all-ones ``attention_mask`` and ``loss_weights`` (one number, or
+    one per token: packed per token, see :mod:`hf_gradacc.weights`); anything else is an error.
     The lengths of the samples are ``cu_seq_lens_q.diff()`` (:func:`packed_sequence_lengths`).
 
     With ``cost_model`` (an :class:`~hf_gradacc.data.attention_cost.AttentionCostModel`, the one given to :class:`WindowPackBatchSampler`), a
