@@ -115,6 +115,7 @@ class GradAccKTOTrainer(GradAccMixin, KTOTrainer):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if not self.calculate_KL:
             return batches, num_items
+        self.model.train()  # as in TRL's loss, whose forward passes score the pairs in training mode
         batches = [self._prepare_inputs(batch) for batch in batches]
         total, count = torch.zeros((), dtype=torch.float64), 0
         for batch in batches:
