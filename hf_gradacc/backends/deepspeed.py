@@ -227,6 +227,25 @@ class DeepSpeedBackend(Backend):
         self.engine: Any = None
         self._window_reduction: contextlib.ExitStack | None = None
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Under Ulysses sequence parallelism, only token-level causal LMs: DeepSpeed's adapter cuts every batch
+        tensor along the sequence, so a sequence-level head's one label per row cannot be sharded (its
+        ``get_batch_samples`` fails with a raw IndexError; seen on 2 CPU ranks with a Llama sequence classifier)."""
+        super().check_model(model)
+        if self.sequence_parallel_size == 1:
+            return
+        from ..heads import detect_head_type, unwrap_model
+
+        requested = getattr(self.settings, "head_type", "auto")
+        head = detect_head_type(model) if requested == "auto" else requested
+        if head not in (None, "causal_lm"):
+            raise UnsupportedBackendError(
+                f"{type(unwrap_model(model)).__name__} (head `{head}`) cannot train under Ulysses sequence parallelism "
+                f"(`parallelism_config.sp_size` {self.sequence_parallel_size}): DeepSpeed's adapter shards every "
+                "batch tensor along the sequence, which only a causal LM's per-position labels allow. Set "
+                "`parallelism_config_sp_size: 1` for this model, or train a causal LM."
+            )
+
     @property
     def supports_backward_per_term(self) -> bool:  # type: ignore[override]
         # ZeRO-3 fails on a second backward pass through one forward (partitioned gradient sizes no longer match).

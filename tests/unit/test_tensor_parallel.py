@@ -151,3 +151,24 @@ def test_sequence_parallelism_outside_deepspeed_is_refused_by_name_at_backend_re
     accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP, parallelism_config=config)
     with pytest.raises(UnsupportedBackendError, match=r"sp_size` \(2, sequence parallelism.*only under DeepSpeed"):
         resolve_backend(accelerator, SimpleNamespace())
+
+
+@pytest.mark.parametrize("sp_size", [1, 2])
+def test_a_sequence_classifier_under_ulysses_is_refused_by_name(sp_size):
+    """DeepSpeed's Ulysses adapter cuts every batch tensor along the sequence; a sequence classifier's one label per
+    row then fails inside it with a raw IndexError (seen on 2 CPU ranks). GradAccTrainer refuses it when created;
+    a causal LM under sp, and any head without sp, pass."""
+    from hf_gradacc.backends.deepspeed import DeepSpeedBackend
+    from hf_gradacc.config import GradAccSettings
+    from hf_gradacc.testing.tiny import build_tiny_model
+
+    backend = object.__new__(DeepSpeedBackend)
+    backend.settings = GradAccSettings()
+    backend.accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=sp_size, sp_backend="deepspeed"))
+    backend.check_model(build_tiny_model("causal_lm"))
+    classifier = build_tiny_model("sequence_classification")
+    if sp_size == 1:
+        backend.check_model(classifier)
+        return
+    with pytest.raises(UnsupportedBackendError, match=r"ForSequenceClassification \(head `sequence_classification`\).*sp_size` 2.*sp_size: 1"):
+        backend.check_model(classifier)
