@@ -141,6 +141,33 @@ def test_regrouped_is_exact() -> None:
     assert compare(_router(update), _router(reference)).relative_error <= ROUTER_TOLERANCE
 
 
+def test_packed_fused_head_and_backward_per_term_are_exact(monkeypatch) -> None:
+    """Packed rows (no attention mask: every position is a routed token, as the model counts it), the fused LM head
+    (the router logits come from the backbone's outputs) and one backward pass per term: each exact against B."""
+    from hf_gradacc.data.attention_cost import AttentionCostModel
+
+    # lay every micro-batch out as one packed row, as on a device with a variable-length attention kernel
+    monkeypatch.setattr(AttentionCostModel, "for_model", classmethod(lambda cls, model, padded_layout=True: None))
+    packed_seen = []
+    original = StepRouting.global_term
+
+    def record(self, outputs, attention_mask, coef, *, index, model_aux=None):
+        packed_seen.append(attention_mask is None)
+        return original(self, outputs, attention_mask, coef, index=index, model_aux=model_aux)
+
+    monkeypatch.setattr(StepRouting, "global_term", record)
+    model, packed, trainer = _train("mixtral", 2, 4, pack_micro_batches=True)
+    assert packed_seen and all(packed_seen)  # every training forward ran on a packed row (no attention mask)
+    monkeypatch.setattr(StepRouting, "global_term", original)
+    _, fused, fused_trainer = _train("mixtral", 2, 4, fused_lm_head=True)
+    assert fused_trainer._fused_head_ran
+    _, per_term, _ = _train("mixtral", 2, 4, backward_per_term=True)
+    reference = global_balance_gradients(model, _samples(), PaddingCollator())
+    for update in (packed, fused, per_term):
+        assert compare(update, reference).relative_error <= TOLERANCE
+        assert compare(_router(update), _router(reference)).relative_error <= ROUTER_TOLERANCE
+
+
 @pytest.mark.parametrize(
     ("knobs", "match"),
     [
@@ -223,3 +250,42 @@ def test_example_prints_its_numbers(tmp_path) -> None:
     assert min(result["micro_batch_2x4"], result["micro_batch_1x8"]) > 1e-2
     assert abs(result["micro_batch_2x4"] - result["micro_batch_1x8"]) > 1e-2
     assert result["steps"] == 1 and result["load"] >= 1.0
+
+
+def _tiny_other_moe(name: str) -> torch.nn.Module:
+    import transformers as tf
+
+    from hf_gradacc.testing.tiny import PAD_TOKEN_ID, VOCAB_SIZE
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=512, num_experts_per_tok=2, router_aux_loss_coef=0.1,
+                  output_router_logits=True, tie_word_embeddings=False, pad_token_id=PAD_TOKEN_ID)  # fmt: skip
+    if name == "olmoe":
+        return tf.OlmoeForCausalLM(tf.OlmoeConfig(num_experts=4, **common))
+    if name == "qwen2_moe":  # a shared expert beside the routed ones
+        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=32,
+                                                        shared_expert_intermediate_size=32, **common))  # fmt: skip
+    if name == "granitemoe":
+        return tf.GraniteMoeForCausalLM(tf.GraniteMoeConfig(num_local_experts=4, **common))
+    if name == "gpt_oss":
+        return tf.GptOssForCausalLM(tf.GptOssConfig(num_local_experts=4, head_dim=8, layer_types=["full_attention"] * 2,
+                                                    **common))  # fmt: skip
+    return tf.PhimoeForCausalLM(tf.PhimoeConfig(num_local_experts=4, **common))  # router_jitter_noise 0.01 by default
+
+
+def test_other_architectures() -> None:
+    """OLMoE, Qwen2-MoE (shared expert), GraniteMoE and gpt-oss read the same way: exact against B at 2 x 4. PhiMoE
+    routes at random in training (router jitter 0.01 by default): refused by name."""
+    args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=4, args_class=GradAccConfig,
+                         router_balance="global_batch")  # fmt: skip
+    for name in ("olmoe", "qwen2_moe", "granitemoe", "gpt_oss"):
+        model = _tiny_other_moe(name)
+        update, _ = one_step_update(GradAccTrainer, model, _samples(), args)
+        reference = global_balance_gradients(model, _samples(), PaddingCollator())
+        router = [n for n in reference if n.endswith("gate.weight") or n.endswith("router.weight")]
+        assert router, name
+        assert compare(update, reference).relative_error <= TOLERANCE, name
+        assert compare({n: update[n] for n in router}, {n: reference[n] for n in router}).relative_error <= ROUTER_TOLERANCE
+    with pytest.raises(GradAccConfigError, match=r"router_jitter_noise=0.01"):
+        one_step_update(GradAccTrainer, _tiny_other_moe("phimoe"), _samples(), args)
