@@ -216,3 +216,61 @@ class VLMCollator:
         else:
             batch["pixel_values"] = torch.stack(pixels)
         return batch
+
+
+def build_tiny_llava_processor(path: str) -> Any:
+    """A ``LlavaProcessor`` for :func:`build_tiny_vlm` ``("llava")``, built locally (no Hub): a word-level tokenizer
+    (``<pad>`` 0, ``<s>`` 1, ``w2`` ... ``w126``, ``<image>`` 127) and a CLIP image processor for 16 x 16 images,
+    saved with ``save_pretrained`` to ``path`` and loaded back with ``AutoProcessor.from_pretrained`` (what TRL's
+    vision SFT path takes as ``processing_class``). One ``<image>`` in a text becomes the 4 image tokens.
+
+    Example:
+        ```python
+        processor = build_tiny_llava_processor(tempfile.mkdtemp())
+        processor(images=[image], text=["w5 <image> w7"], return_tensors="pt")
+        ```
+    """
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = {PAD: "<pad>", BOS: "<s>", IMAGE_TOKEN: "<image>"}
+    backend = Tokenizer(models.WordLevel(vocab={specials.get(i, f"w{i}"): i for i in range(VOCAB)}, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<s>", bos_token="<s>",
+                                           extra_special_tokens={"image_token": "<image>"})  # fmt: skip
+    images = tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = tf.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8,
+                                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                  image_token="<image>")  # fmt: skip
+    processor.save_pretrained(path)
+    return tf.AutoProcessor.from_pretrained(path)
+
+
+def vision_sft_rows(num_samples: int = 8, *, seed: int = 0) -> list[dict[str, Any]]:
+    """TRL prompt-completion vision rows: ``images`` (one 16 x 16 PIL image), ``prompt`` (words around ``<image>``),
+    ``completion`` (0 to 19 words; every 5th row none)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    rows = []
+    for i in range(num_samples):
+        image = Image.fromarray((rng.rand(IMAGE_SIZE, IMAGE_SIZE, 3) * 255).astype("uint8"))
+        words = lambda n: " ".join(f"w{x}" for x in rng.randint(FIRST_TEXT_ID, VOCAB - 4, n))  # noqa: E731
+        prompt = f"{words(rng.randint(1, 6))} <image> {words(rng.randint(1, 5))}"
+        completion = "" if i % 5 == 2 else words(rng.randint(1, 20))
+        rows.append({"images": [image], "prompt": prompt, "completion": completion})
+    return rows
+
+
+def processed_samples(processor: Any, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each vision row on its own (no padding), as :class:`VLMCollator` samples: the processed prompt (image tokens
+    expanded) then the completion's ids, labels on the completion only."""
+    samples = []
+    for row in rows:
+        prompt = processor(images=row["images"], text=[row["prompt"]], return_tensors="pt")
+        answer = processor.tokenizer(row["completion"], add_special_tokens=False)["input_ids"] if row["completion"] else []
+        ids = prompt["input_ids"][0].tolist()
+        samples.append({"input_ids": ids + answer, "labels": [IGNORE_INDEX] * len(ids) + answer,
+                        "pixel_values": prompt["pixel_values"][0].tolist()})  # fmt: skip
+    return samples

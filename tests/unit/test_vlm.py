@@ -152,3 +152,36 @@ def test_one_token_off_in_the_count_fails_the_check(monkeypatch) -> None:
     monkeypatch.setattr(heads, "count_micro_batch", one_short)
     comparison, *_ = _step("qwen2_5_vl", check_loss_at_start=False)  # the reference is what must catch it
     assert comparison.relative_error > 10 * TOL, comparison
+
+
+def test_gradacc_sft_trainer_through_trls_vision_path_is_exact(tmp_path) -> None:
+    """TRL 1.16's vision SFT path (prompt-completion rows with PIL images, processing_class a LlavaProcessor built
+    locally): exact against the float64 full batch of the rows, each processed alone. Stock SFTTrainer is exact here
+    too (LLaVA takes num_items_in_batch): 5.2e-07 both, measured."""
+    pytest.importorskip("trl")
+    import datasets
+
+    from hf_gradacc.testing.reference import compare, reference_gradients
+    from hf_gradacc.testing.tiny_vlm import build_tiny_llava_processor, processed_samples, vision_sft_rows
+    from hf_gradacc.testing.trl_steps import cpu_config_flags
+    from hf_gradacc.trl import GradAccSFTConfig, GradAccSFTTrainer
+
+    processor = build_tiny_llava_processor(str(tmp_path / "processor"))
+    rows = vision_sft_rows(BATCH * GA)
+    model = build_tiny_vlm("llava")
+    reference = reference_gradients(model, processed_samples(processor, rows), "causal_lm", VLMCollator("llava"))
+    trained = copy.deepcopy(model)
+    initial = {n: p.detach().clone() for n, p in trained.named_parameters()}
+    args = GradAccSFTConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=GA,
+        max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+        report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True, max_length=None,
+        **cpu_config_flags(GradAccSFTConfig),
+    )  # fmt: skip
+    trainer = GradAccSFTTrainer(model=trained, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                                processing_class=processor)  # fmt: skip
+    assert trainer._is_vision_dataset  # TRL's vision path, not the trainer-level one
+    trainer.train()
+    update = {n: initial[n] - p.detach() for n, p in trained.named_parameters()}
+    comparison = compare(update, reference)
+    assert comparison.relative_error <= TOL, comparison
