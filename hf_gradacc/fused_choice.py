@@ -65,15 +65,15 @@ class CostFactors:
 # BEGIN FITTED (benchmarks/fused_choice_fit.py --write rewrites this block)
 FACTORS: dict[tuple[str, str], CostFactors] = {
     ("cpu", "float32"): CostFactors(
-        full_matmul=4.121e-11,
-        full_softmax=4.433e-09,
-        full_spill=8.605e-09,
-        full_call=6.207e-05,
-        fused_matmul=3.925e-11,
-        fused_softmax=4.792e-09,
-        fused_sweep=7.792e-10,
+        full_matmul=5.246e-11,
+        full_softmax=7.052e-09,
+        full_spill=9.033e-09,
+        full_call=0.0001865,
+        fused_matmul=5.131e-11,
+        fused_softmax=5.71e-09,
+        fused_sweep=1.883e-09,
         fused_buffer=0,
-        fused_call=0.0002067,
+        fused_call=0.0008699,
         fitted_on="2026-11-26, torch 2.13.0+cpu, 1 thread, 18 shapes",
     ),
 }
