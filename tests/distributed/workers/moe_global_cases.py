@@ -3,13 +3,14 @@
     torchrun --nproc_per_node 2 tests/distributed/workers/moe_global_cases.py --cases '[{"name": "a", "bs": 2}]'
 
 ONE launch runs the DDP cases first, then (``"backend": "fsdp2"``, the CPU patch switched on before them) the FSDP2
-cases: accelerate's state moves from MULTI_CPU to FSDP between trainers, never back.
+cases: accelerate's state moves from MULTI_CPU to FSDP between trainers, never back. DeepSpeed cases
+(``"backend": "zero2"`` / ``"zero3"``, the CPU-distributed patch) need a launch of their own.
 
 Each case trains ONE optimizer step (SGD, lr 1) over exactly one window of 16 samples (8 per rank: bs x ga = 8) and
 compares the update (minus the accumulated gradient) with the float64 reference of definition B over all 16
 samples (hf_gradacc.testing.moe_reference): mixed lengths (2 to 40 tokens), masked prompts, padding.
 
-Case keys: name; family (``mixtral`` / ``qwen3_moe``); bs, ga; backend (``ddp`` / ``fsdp2``); mode (``global_batch``,
+Case keys: name; family (``mixtral`` / ``qwen3_moe``); bs, ga; backend (``ddp`` / ``fsdp2`` / ``zero2`` / ``zero3``); mode (``global_batch``,
 default, or ``micro_batch``); checkpointing (activation checkpointing on); local_counts (the pre-pass's collective
 replaced by this rank's own counts: the update must leave the tolerance). Every rank writes one JSON per case;
 rank 0 holds the comparison.
@@ -37,13 +38,27 @@ from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_moe
 from tests.distributed.workers._common import finish_worker, write_result
 
 NUM_SAMPLES = 16
+DEEPSPEED = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "zero_allow_untested_optimizer": True,
+}
 
 
 def _args(case: dict[str, Any]) -> GradAccConfig:
     overrides: dict[str, Any] = {"seed": 5, "use_cpu": True, "ddp_backend": "gloo",
                                  "router_balance": case.get("mode", "global_batch")}  # fmt: skip
-    if case.get("backend") == "fsdp2":
+    backend = case.get("backend", "ddp")
+    if backend == "fsdp2":
         overrides.update(fsdp=True, fsdp_config={"version": 2})
+    elif backend.startswith("zero"):
+        zero: dict[str, Any] = {"stage": int(backend[-1])}
+        if backend == "zero3":
+            zero["stage3_param_persistence_threshold"] = 0  # even the tiny model's router weights are partitioned
+        overrides.update(use_cpu=False, deepspeed={**DEEPSPEED, "zero_optimization": zero})
+        overrides.pop("ddp_backend")
     if case.get("checkpointing"):
         overrides["gradient_checkpointing"] = True
     return one_step_args(tempfile.mkdtemp(prefix="hf_gradacc_moe_"), per_device_train_batch_size=case["bs"],
@@ -51,6 +66,12 @@ def _args(case: dict[str, Any]) -> GradAccConfig:
 
 
 def _final_parameters(trainer: GradAccTrainer, backend: str) -> dict[str, torch.Tensor]:
+    if backend == "zero3":
+        import deepspeed
+
+        module = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            return {n: p.detach().float().clone() for n, p in module.named_parameters()}
     module = trainer.model if backend == "fsdp2" else trainer.accelerator.unwrap_model(trainer.model_wrapped)
     return {
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
@@ -95,7 +116,12 @@ def main() -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     fsdp_on = False
-    for case in json.loads(ns.cases):
+    cases = json.loads(ns.cases)
+    if any(c.get("backend", "").startswith("zero") for c in cases):  # a launch of its own: DeepSpeed cases only
+        from hf_gradacc.patches import enable_cpu_distributed
+
+        enable_cpu_distributed()  # TrainingArguments fills DeepSpeed's 'auto' values from its world size
+    for case in cases:
         if case.get("backend") == "fsdp2" and not fsdp_on:
             from hf_gradacc.patches.fsdp_cpu import enable_fsdp_on_cpu
 
