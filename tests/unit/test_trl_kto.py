@@ -109,6 +109,27 @@ def test_precomputed_reference_log_probs_are_exact(tmp_path, models) -> None:
     assert compare(update, reference(models, (2, 4))).relative_error <= TOL
 
 
+def test_a_lora_policy_with_its_initial_adapter_as_reference(tmp_path) -> None:
+    """No ``ref_model`` with a PEFT policy: TRL copies the initial adapter as its ``"ref"`` adapter, and the KL pairs
+    are scored with it switched on (hf_gradacc's fetch-time forward passes): z0 is 0 at the first step. LoRA B is
+    random, so the policy is not its base model (scored against the base, the pairs would give z0 = 0.23)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    policy = get_peft_model(build_tiny_model("causal_lm", seed=1), lora)  # its base model's KL estimate: 0.23
+    rows = kto_rows(7)
+    cls = trl_steps.with_batch_layout(GradAccKTOTrainer, LAYOUTS[(2, 4)])
+    trainer = cls(model=copy.deepcopy(policy), args=kto_args(GradAccKTOConfig, tmp_path, (2, 4)),
+                  train_dataset=kto_dataset(rows), processing_class=trl_steps.word_tokenizer())  # fmt: skip
+    assert "ref" in trainer.model.peft_config
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    update = {n: initial[n] - p.detach() for n, p in trainer.model.named_parameters() if n in initial}
+    expected = kto_reference(policy, copy.deepcopy(policy), rows, beta=BETA, per_device_train_batch_size=2).grads
+    assert compare(update, expected).relative_error <= TOL
+
+
 def test_a_trl_that_does_not_ask_for_the_kl_log_probs_is_refused(tmp_path, models, monkeypatch) -> None:
     """Were TRL's loss to stop calling ``_compute_kl_logps`` (renamed upstream), the step's estimate would not reach
     it and TRL's per-micro-batch estimate would train silently: the step stops instead."""
