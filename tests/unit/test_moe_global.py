@@ -5,6 +5,8 @@ lengths and padding; a count off by one token, or per-micro-batch fractions, fai
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -289,3 +291,22 @@ def test_other_architectures() -> None:
         assert compare({n: update[n] for n in router}, {n: reference[n] for n in router}).relative_error <= ROUTER_TOLERANCE
     with pytest.raises(GradAccConfigError, match=r"router_jitter_noise=0.01"):
         one_step_update(GradAccTrainer, _tiny_other_moe("phimoe"), _samples(), args)
+
+
+def test_make_exact_takes_router_balance() -> None:
+    """`make_exact(Trainer(...), router_balance="global_batch")` trains definition B too."""
+    from transformers import Trainer
+
+    from hf_gradacc import make_exact
+    from hf_gradacc.testing.tiny import ListDataset
+
+    model = build_tiny_moe("mixtral", router_aux_loss_coef=0.1)
+    work = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in work.named_parameters()}
+    args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    trainer = Trainer(model=work, args=args, train_dataset=ListDataset(_samples()), data_collator=PaddingCollator())
+    make_exact(trainer, router_balance="global_batch").train()
+    update = {n: before[n] - p.detach() for n, p in work.named_parameters()}
+    reference = global_balance_gradients(model, _samples(), PaddingCollator())
+    assert compare(update, reference).relative_error <= TOLERANCE
+    assert compare(_router(update), _router(reference)).relative_error <= ROUTER_TOLERANCE
