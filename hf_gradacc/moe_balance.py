@@ -243,7 +243,7 @@ def check_router_balance(trainer: Any) -> RouterShape | None:
     if trainer._custom_compute_loss:
         refusals.append(f"{type(trainer).__name__} computes its own loss (an overridden `compute_loss` or "
                         "`compute_loss_func`: TRL trainers, custom losses)")
-    for knob in ("defer_normalization", "auto_micro_batch", "accumulation_schedule"):
+    for knob in ("defer_normalization", "auto_micro_batch"):
         if getattr(settings, knob):
             refusals.append(f"`{knob}` is set")
     backend = trainer.backend

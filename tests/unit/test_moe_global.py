@@ -310,3 +310,13 @@ def test_make_exact_takes_router_balance() -> None:
     reference = global_balance_gradients(model, _samples(), PaddingCollator())
     assert compare(update, reference).relative_error <= TOLERANCE
     assert compare(_router(update), _router(reference)).relative_error <= ROUTER_TOLERANCE
+
+
+def test_accumulation_schedule_window_is_the_pre_pass_window() -> None:
+    """Under `accumulation_schedule` the step's window (here 4 micro-batches where GA says 1) is what the pre-pass
+    counts: exact against B over the 8 samples of the scheduled step."""
+    model, update, trainer = _train("mixtral", 2, 1, accumulation_schedule="0:4")
+    assert trainer.state.global_step == 1
+    reference = global_balance_gradients(model, _samples(), PaddingCollator())
+    assert compare(update, reference).relative_error <= TOLERANCE
+    assert compare(_router(update), _router(reference)).relative_error <= ROUTER_TOLERANCE
