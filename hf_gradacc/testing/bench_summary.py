@@ -2,8 +2,9 @@
 where the spread is wider than the difference from the stock Trainer the row reports.
 
 The step time and CPU time ratios pool the step pairs of every repeat (trainer's step ``s`` / stock step ``s`` of
-the same repeat); the total time ratio takes one value per repeat. A row whose spread is wider than its distance
-from 1.0 measured noise, not an overhead or a speed-up: more ``--steps`` or ``--repeats`` narrow it.
+the same repeat); the total time and total CPU time ratios take one value per repeat. A row whose spread is wider
+than its distance from 1.0 measured noise, not an overhead or a speed-up: more ``--steps`` or ``--repeats`` narrow
+it.
 
 Example:
     ```python
@@ -66,7 +67,7 @@ def summarize(repeats: Sequence[Sequence[BenchRow]]) -> list[SummaryRow]:
     summary = []
     for dataset, vocab, trainer in keys:
         values: dict[str, list[float]] = {name: [] for _, name in _PAIRED}
-        values["total time ratio"] = []
+        values["total time ratio"], values["total CPU time ratio"] = [], []
         for rows in repeats:
             by_trainer = {r.trainer: r for r in rows if (r.dataset, r.vocab_size) == (dataset, vocab)}
             row, stock = by_trainer.get(trainer), by_trainer.get("stock")
@@ -75,6 +76,8 @@ def summarize(repeats: Sequence[Sequence[BenchRow]]) -> list[SummaryRow]:
             for field, name in _PAIRED:
                 values[name] += [t / s for t, s in zip(getattr(row, field), getattr(stock, field)) if s > 0]
             values["total time ratio"].append(row.total_time_ratio)
+            if row.total_cpu_time_ratio == row.total_cpu_time_ratio:  # not NaN (rows written before it existed)
+                values["total CPU time ratio"].append(row.total_cpu_time_ratio)
         ratios = {name: _spread(v) for name, v in values.items() if v}
         summary.append(SummaryRow(dataset=dataset, vocab_size=vocab, trainer=trainer, ratios=ratios))
     return summary
@@ -83,10 +86,10 @@ def summarize(repeats: Sequence[Sequence[BenchRow]]) -> list[SummaryRow]:
 def format_summary(summary: Sequence[SummaryRow], num_repeats: int = 1) -> str:
     """A markdown table of the ratios (median [min-max]) and, below it, a note for each ratio whose spread is wider
     than the difference from the stock Trainer it reports."""
-    names = ["step time ratio", "CPU time ratio", "total time ratio"]
+    names = ["step time ratio", "CPU time ratio", "total time ratio", "total CPU time ratio"]
     lines = [
         f"ratios vs the stock Trainer, median [min-max] over {num_repeats} repeat(s) (step and CPU time: every timed "
-        "step pair of every repeat; total time: one value per repeat)",
+        "step pair of every repeat; totals: one value per repeat)",
         "",
         "| data | vocab | trainer | " + " | ".join(names) + " |",
         "|" + " --- |" * (3 + len(names)),

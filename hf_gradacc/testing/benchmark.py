@@ -11,7 +11,9 @@ Columns:
 
 * step time ratio: median over timed steps of (trainer's step time / stock step time), pair by pair;
 * CPU time ratio: the same with the process's CPU time over each step (``time.process_time``: one trainer runs at a
-  time, so it is that trainer's; less moved by other processes on a busy machine than the wall time);
+  time, so it is that trainer's; less moved by other processes on a busy machine than the wall time), summed over
+  every rank on several processes (each rank's own times are kept in ``step_cpu_times_per_rank_s``);
+* total CPU time ratio: sum of timed steps' CPU time / the stock sum (what ``benchmarks/targets.py`` judges);
 * total time ratio: sum of timed step times / the stock sum;
 * computed / real tokens: token positions the model computed (``input_ids`` size: padding included) per real token;
 * peak memory: the largest increase of memory within one step, EVERY step included (the first one, with its
@@ -36,7 +38,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import ctypes
 import importlib.util
 import logging
 import math
@@ -54,6 +55,7 @@ import torch
 
 from ..compat import has_sampling_strategy
 from ..errors import GradAccConfigError, GradAccUsageError  # noqa: F401
+from .bench_probes import MemoryProbe, cpu_times_of_every_rank
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +165,8 @@ class BenchRow:
     median_step_cpu_time_s: float = float("nan")
     cpu_time_ratio: float = float("nan")
     step_cpu_times_s: tuple[float, ...] = field(default=())
+    total_cpu_time_ratio: float = float("nan")
+    step_cpu_times_per_rank_s: tuple[tuple[float, ...], ...] = field(default=())
 
 
 # ---------------------------------------------------------------------------------------------- data and model
@@ -207,56 +211,6 @@ def build_bench_model(settings: BenchSettings) -> torch.nn.Module:
     return tf.LlamaForCausalLM(config)
 
 
-# ---------------------------------------------------------------------------------------------- memory probes
-class _MemoryProbe:
-    """Peak memory increase within an interval: CUDA allocator stats, or the process's RSS high-water mark."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device.startswith("cuda")
-        self.baseline = 0
-        self.available = True
-        if not self.cuda:
-            try:
-                # Fixed thresholds: large tensors are mmap'd and handed back on free, so RSS follows live tensors
-                # instead of what glibc keeps cached (its adaptive threshold would hide a later trainer's peak).
-                libc = ctypes.CDLL("libc.so.6")
-                libc.mallopt(-3, 32 * 1024)  # M_MMAP_THRESHOLD
-                libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
-                self._reset_hwm()
-            except OSError:
-                self.available = False
-
-    @staticmethod
-    def _status(key: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-        raise OSError(f"{key} not in /proc/self/status")
-
-    @staticmethod
-    def _reset_hwm() -> None:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-
-    def start(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.baseline = torch.cuda.memory_allocated()
-        elif self.available:
-            self._reset_hwm()
-            self.baseline = self._status("VmRSS")
-
-    def peak(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.baseline
-        if not self.available:
-            return 0
-        return self._status("VmHWM") - self.baseline
-
-
 # ---------------------------------------------------------------------------------------------- turns
 class _Counting:
     """Put in front of a Trainer class: counts, from the batches each step fetches, the token positions the model
@@ -296,7 +250,7 @@ def _count_head_rows(trainer: Any) -> None:
     trainer.model.get_output_embeddings().register_forward_hook(count)
 
 
-def _turn_callback(name: str, probe: _MemoryProbe, world_size: int):
+def _turn_callback(name: str, probe: MemoryProbe, world_size: int):
     from transformers import TrainerCallback
 
     class Turns(TrainerCallback):
@@ -482,7 +436,7 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
         logger.warning(f"bench: packed rows' budget raised to the longest sample ({longest} tokens)")
     model = build_bench_model(settings)
     initial = _flat_params(model)
-    probe = _MemoryProbe(settings.device)
+    probe = MemoryProbe(settings.device)
     trainers: dict[str, Any] = {}
     turns: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="hf_gradacc_bench_") as tmp:
@@ -505,15 +459,17 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
 
     finals = {n: _flat_params(t.accelerator.unwrap_model(t.model)) for n, t in trainers.items()}
     skip = settings.num_warmup_steps
+    per_rank = cpu_times_of_every_rank({n: turns[n].step_cpu_times[skip:] for n in settings.trainers}, world_size)
+    cpu_of = {n: [sum(step) for step in zip(*ranks)] for n, ranks in per_rank.items()}  # every rank's CPU time, summed
     stock_times = turns["stock"].step_times[skip:]
-    stock_cpu = turns["stock"].step_cpu_times[skip:]
+    stock_cpu = cpu_of["stock"]
     stock_peak = max(turns["stock"].step_peaks or [0])  # every step: the first one is no less real
     rows = []
     for name in settings.trainers:
         times = turns[name].step_times[skip:]
         peak = max(turns[name].step_peaks or [0])
         ratios = [t / s for t, s in zip(times, stock_times)]
-        cpu = turns[name].step_cpu_times[skip:]
+        cpu = cpu_of[name]
         cpu_ratios = [t / s for t, s in zip(cpu, stock_cpu) if s > 0]
         diff = None
         if "plain" in finals:
@@ -542,6 +498,8 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
                 median_step_cpu_time_s=statistics.median(cpu),
                 cpu_time_ratio=statistics.median(cpu_ratios) if cpu_ratios else float("nan"),
                 step_cpu_times_s=tuple(cpu),
+                total_cpu_time_ratio=sum(cpu) / sum(stock_cpu) if sum(stock_cpu) > 0 else float("nan"),
+                step_cpu_times_per_rank_s=tuple(tuple(r) for r in per_rank[name]),
                 step_peaks_bytes=tuple(turns[name].step_peaks[skip:]),
                 first_step_peak_memory_bytes=(turns[name].step_peaks or [0])[0],
                 lm_head_rows_per_target=counter.head_rows / counter.targets if counter.targets else float("nan"),
@@ -574,18 +532,18 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     """
     header = (
         "| data | vocab | trainer | step time (median) | step time ratio vs stock (median of pairs) | total time ratio | "
-        "step CPU time (median) | CPU time ratio (median of pairs) | "
+        "step CPU time (median) | CPU time ratio (median of pairs) | total CPU time ratio | "
         "real tokens / s | computed / real tokens | LM-head rows per counted target | peak memory (first step "
         "included) | peak memory ratio | micro-batches / step | reductions / step | update diff vs GradAccTrainer |"
     )
-    lines = [header, "|" + " --- |" * 16]
+    lines = [header, "|" + " --- |" * 17]
     for r in rows:
         reductions = "n/a (1 process)" if r.reductions_per_step is None else f"{r.reductions_per_step:.2f}"
         diff = "-" if r.relative_update_difference is None else f"{r.relative_update_difference:.1e}"
         lines.append(
             f"| {r.dataset} | {r.vocab_size} | {_TRAINER_LABELS[r.trainer]} | {r.median_step_time_s * 1e3:.0f} ms | "
             f"{r.step_time_ratio:.3f} | {r.total_time_ratio:.3f} | {r.median_step_cpu_time_s * 1e3:.0f} ms | "
-            f"{r.cpu_time_ratio:.3f} | {r.real_tokens_per_s:,.0f} | "
+            f"{r.cpu_time_ratio:.3f} | {r.total_cpu_time_ratio:.3f} | {r.real_tokens_per_s:,.0f} | "
             f"{r.computed_per_real_token:.3f} | {r.lm_head_rows_per_target:.2f} | "
             f"{r.peak_memory_bytes / 2**20:,.1f} MiB | {r.peak_memory_ratio:.3f} | {r.micro_batches_per_step:.1f} | {reductions} | {diff} |"
         )
