@@ -18,8 +18,8 @@ at the first micro-batch instead of training a different loss.
 Why not ``torch.nn.functional.linear_cross_entropy`` (torch 2.13, chunked when given ``LinearCrossEntropyOptions``):
 it takes a weight, not a module, so softcapping (a non-linear transform between the matmul and the loss) and PEFT
 adapters on the head cannot go through it; and on a 2-core x86 CPU (``benchmarks/fused_head.py``, docs/benchmarks.md)
-it was 2-20x slower than the full logits, where these tiles take 0.6-1.3x, with a hidden-state gradient 17x further
-from float64. Its memory is lower when rows are few compared with the hidden size, where the tiles' weight-gradient
+it was 2-20x slower than the full logits, where these tiles take 0.76-0.90x of their CPU time (docs/memory.md), with
+a hidden-state gradient 17x further from float64. Its memory is lower when rows are few compared with the hidden size, where the tiles' weight-gradient
 buffer (``[vocabulary x hidden]``, which the weight's gradient needs anyway) is the larger part.
 """
 
