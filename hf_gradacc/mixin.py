@@ -46,7 +46,6 @@ from .grads import AccumulatedGradHook, GradAccess
 from .heads import Head
 from .log import announce_active
 from .loss import LossOutput, LossTerm, parse_loss_output
-from .moe_balance import MoeLoadLog, check_router_balance
 from .nonfinite import poison_nonfinite
 from .run_plan import realign_learning_rate, resumed_start, training_values
 from .step import DATA_RAN_OUT, open_window, optimizer_step, train_window
@@ -137,7 +136,6 @@ class GradAccMixin:
             model=self.model,
         )
         self.backend.check_model(self.model)
-        self._moe_log = MoeLoadLog(shape=check_router_balance(self))  # router_balance: refused here, or its pre-pass
         if settings.fused_lm_head:
             check_fused_setting(self)  # ignored (own loss, a warning), runs, or refused: once, not per micro-batch
         self._fused_choice = fused_choice.initial_choice(self)  # None: automatic, decided on the first optimizer step
@@ -601,7 +599,6 @@ class GradAccMixin:
         """`Trainer.log`, with per-term losses (``loss/<name>``) and callback metrics added to training logs."""
         if "loss" in logs:
             logs.update(self._term_log.pop_means(self.backend.all_gather, self.args.device))
-            logs.update(self._moe_log.pop(self.backend.all_gather, self.args.device))  # moe/load_max_over_mean
         if "loss" in logs and self._step_means:
             logs.update({key: total / steps for key, (total, steps) in self._step_means.items()})
             self._step_means = {}

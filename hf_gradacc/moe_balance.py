@@ -216,8 +216,9 @@ def stochastic_routing(model: nn.Module) -> list[str]:
 
 
 def check_router_balance(trainer: Any) -> RouterShape | None:
-    """Validate ``router_balance`` against the model and the trainer once, at setup. Returns the router shape the
-    pre-pass needs, or None (``"micro_batch"``, or a model without router logits: a warning)."""
+    """Validate ``router_balance`` against the model and the trainer once, before the first training forward (every
+    rank alike: it reads only the model and the settings). Returns the router shape the pre-pass needs, or None
+    (``"micro_batch"``, or a model without router logits: a warning)."""
     settings = trainer.gradacc
     if settings.router_balance != "global_batch":
         return None
@@ -328,7 +329,10 @@ def routing_prepass(
 def step_routing(trainer: Any, model: nn.Module, window: Any) -> StepRouting | None:
     """The step's :class:`StepRouting`: the pre-pass under ``"global_batch"``; under ``"micro_batch"`` an empty one
     the training forwards fill (for the load log) when the model returns router logits; None otherwise."""
-    shape = trainer._moe_log.shape
+    log = trainer._term_log.moe
+    if not log.checked:  # once, before the first forward of training: refused by name, or the pre-pass's shape
+        log.shape, log.checked = check_router_balance(trainer), True
+    shape = log.shape
     if shape is None:
         shape = router_shape(trainer.model) if getattr(getattr(unwrap_model(trainer.model), "config", None),
                                                         "output_router_logits", False) else None
@@ -348,6 +352,7 @@ class MoeLoadLog:
     holds the same number of steps (each step is on every rank), so the collective is entered alike."""
 
     shape: RouterShape | None = None  # router_balance="global_batch": the pre-pass's (check_router_balance)
+    checked: bool = False
     steps: list[torch.Tensor] = field(default_factory=list)
 
     def add(self, routing: StepRouting | None) -> None:

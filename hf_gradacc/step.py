@@ -228,7 +228,6 @@ def optimizer_step(trainer: GradAccMixin, window: Window) -> tuple[torch.Tensor,
         trainer.lr_scheduler.step()
     trainer.backend.zero_grad()
     trainer._term_log.add(window)
-    trainer._moe_log.add(window.routing)
     return grad_norm, learning_rate
 
 def call_event(trainer: GradAccMixin, event: str, **kwargs: Any) -> None:

@@ -26,6 +26,7 @@ from .counting import (  # noqa: F401  (re-exported: the counting rule's home is
 )
 from .errors import GradAccConfigError, GradAccDataError, GradAccError, GradAccLossError
 from .loss import LossOutput, normalize
+from .moe_balance import MoeLoadLog
 from .multimodal import check_batch_rows
 
 logger = logging.get_logger(__name__)
@@ -494,12 +495,15 @@ class Window:
 
 @dataclass
 class TermLog:
-    """Each named loss term's share of the logged loss, summed over the optimizer steps since the last log line."""
+    """Each named loss term's share of the logged loss, summed over the optimizer steps since the last log line; and
+    a mixture-of-experts model's expert load (``moe``: ``moe/load_max_over_mean``, hf_gradacc.moe_balance)."""
 
     totals: dict[str, torch.Tensor] = field(default_factory=dict)
     num_steps: int = 0
+    moe: MoeLoadLog = field(default_factory=MoeLoadLog)
 
     def add(self, window: Window) -> None:
+        self.moe.add(window.routing)
         if not window.term_totals:
             return
         self.num_steps += 1
@@ -508,11 +512,13 @@ class TermLog:
             self.totals[name] = value if total is None else total + value
 
     def pop_means(self, all_gather: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str) -> dict[str, float]:
-        """``{"loss/<name>": mean per step, averaged over ranks}`` (one collective on several ranks), then reset."""
+        """``{"loss/<name>": mean per step, averaged over ranks}`` (one collective on several ranks), then reset; with
+        the expert load of a mixture-of-experts model (a second collective)."""
+        moe = self.moe.pop(all_gather, device) if self.moe.steps else {}
         if not self.totals or self.num_steps == 0:
-            return {}
+            return moe
         names = sorted(self.totals)
         stacked = all_gather(torch.stack([self.totals[n] for n in names]).to(device)).mean(dim=0)
         means = {f"loss/{name}": value / self.num_steps for name, value in zip(names, stacked.tolist())}
         self.totals, self.num_steps = {}, 0
-        return means
+        return {**means, **moe}

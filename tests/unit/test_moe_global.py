@@ -196,7 +196,8 @@ def test_random_routing_is_refused_by_name() -> None:
 
 def test_unreadable_router_statistics_are_refused_by_name() -> None:
     """A model without the `num_experts` / `num_experts_per_tok` its balance loss is called with is refused at
-    construction; one whose own aux_loss is not E x sum f x P of its router logits is refused on its first forward."""
+    ``train()``, before any forward; one whose own aux_loss is not E x sum f x P of its router logits is refused on
+    its first forward."""
     args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=4, args_class=GradAccConfig,
                          router_balance="global_batch")  # fmt: skip
     model = build_tiny_moe("qwen3_moe")
