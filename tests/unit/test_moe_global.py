@@ -321,3 +321,19 @@ def test_accumulation_schedule_window_is_the_pre_pass_window() -> None:
     reference = global_balance_gradients(model, _samples(), PaddingCollator())
     assert compare(update, reference).relative_error <= TOLERANCE
     assert compare(_router(update), _router(reference)).relative_error <= ROUTER_TOLERANCE
+
+
+def test_trl_sft_trainer_is_refused_by_name(tmp_path) -> None:
+    """GradAccSFTTrainer computes its own loss (TRL's): `"global_batch"` is refused by name before any forward."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from hf_gradacc.testing.trl_steps import sft_rows, word_tokenizer
+    from hf_gradacc.trl import GradAccSFTConfig, GradAccSFTTrainer
+
+    args = one_step_args(str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                         args_class=GradAccSFTConfig, bf16=False, router_balance="global_batch")  # fmt: skip
+    trainer = GradAccSFTTrainer(model=build_tiny_moe("mixtral"), args=args, train_dataset=Dataset.from_list(sft_rows()),
+                                processing_class=word_tokenizer())  # fmt: skip
+    with pytest.raises(GradAccConfigError, match=r"router_balance='global_batch'.*GradAccSFTTrainer computes its own loss"):
+        trainer.train()
