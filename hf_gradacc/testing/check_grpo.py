@@ -91,7 +91,7 @@ class GRPOCheck:
 
 
 def _all_ranks(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from .check_trl import _all_ranks as gather
+    from .trl_gather import all_ranks as gather
 
     return gather(batches)
 

@@ -18,23 +18,14 @@ Example:
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import GradAccConfigError
+from .trl_gather import TrlStep
+from .trl_gather import all_ranks as _all_ranks
 
 TRL_NAMES: dict[str, str] = {"sft": "SFT", "dpo": "DPO"}
 DPO_BETA = 0.1
-
-
-@dataclass(frozen=True, slots=True)
-class TrlStep:
-    """The comparisons by trainer name (TRL's first), hf_gradacc's trainer, the step's samples, a line on the data."""
-
-    results: dict[str, Any]
-    trainer: Any
-    num_samples: int
-    data_note: str
 
 
 def trl_trainer_names(kind: str) -> tuple[str, str]:
@@ -57,16 +48,6 @@ class _RecordBatches:
         for batch in batches:
             self.recorded.append({k: v.detach().cpu() for k, v in batch.items() if hasattr(v, "detach")})
         return batches, num_items
-
-
-def _all_ranks(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return batches
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, batches)
-    return [batch for rank_batches in gathered for batch in rank_batches]
 
 
 def trl_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size: int) -> TrlStep:

@@ -67,7 +67,9 @@ def _reward_model(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return AutoModelForSequenceClassification.from_config(config)
 
 
-def _one_update(trainer_class: type, model: torch.nn.Module, **trainer_kwargs: Any) -> tuple[dict[str, torch.Tensor], Any]:
+def _one_update(
+    trainer_class: type, model: torch.nn.Module, **trainer_kwargs: Any
+) -> tuple[dict[str, torch.Tensor], Any]:
     from .one_step import full_parameters
 
     policy = copy.deepcopy(model)
@@ -80,15 +82,16 @@ def _one_update(trainer_class: type, model: torch.nn.Module, **trainer_kwargs: A
 
 def more_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size: int) -> Any:
     """ONE SGD(lr=1) step of hf_gradacc's trainer, then of TRL's, for ``kind``; a
-    :class:`~hf_gradacc.testing.check_trl.TrlStep` (comparisons by trainer name, ours, samples, a line on the data)."""
+    :class:`~hf_gradacc.testing.trl_gather.TrlStep` (comparisons by trainer name, ours, samples, a line on the data)."""
     import trl
 
     from .. import trl as gradacc_trl
     from . import trl_more_steps as more
     from . import trl_steps
-    from .check_trl import TrlStep, _all_ranks
     from .one_step import one_step_args
     from .reference import compare
+    from .trl_gather import TrlStep
+    from .trl_gather import all_ranks as _all_ranks
 
     name = MORE_TRL_NAMES[kind]
     bs, gas, seed = (step_kwargs[k] for k in ("per_device_train_batch_size", "gradient_accumulation_steps", "seed"))
