@@ -4,8 +4,8 @@ Measured on tiny LLaVA, Qwen2.5-VL, Gemma 3 and Qwen3-VL (docs/multimodal.md): t
 micro-batches are exact on all four (each sample is kept whole); packing cannot carry image inputs; the layouts
 that cut a micro-batch into rows (the fused LM head's start-up row check, ``auto_micro_batch``'s resplit) cannot cut
 Qwen-VL images, whose ``pixel_values`` are the patches of every image of the batch concatenated (rows of patches, not
-of samples) and ``image_grid_thw`` says how many belong to each image; and the fused head is refused on every
-vision-language model for now (:func:`fused_head_problem`: measured wrong on LLaVA and Gemma 3).
+of samples) and ``image_grid_thw`` says how many belong to each image. The fused head is exact on LLaVA and Gemma 3
+(one image per row).
 """
 
 from __future__ import annotations
@@ -51,20 +51,11 @@ def row_split_problem(model: torch.nn.Module) -> str | None:
 
 
 def fused_head_problem(model: torch.nn.Module) -> str | None:
-    """Why ``fused_lm_head`` cannot run on ``model`` for multimodal reasons (None: none). Patch-layout images cannot be
-    cut into the start-up check's row; and on LLaVA and Gemma 3, whose rows can be cut, the fused step with the
-    start-up check (``check_loss_at_start``, on by default) was measured 1.03 / 1.06 off the float64 full batch (exact
-    without the check, 4.0e-07; measured exact with it an hour earlier, before the fused head's tile changes of
-    3fdb482): refused until that is understood."""
-    problem = row_split_problem(model)
-    if problem is not None or not is_vision_language(model):
-        return problem
-    from .heads import unwrap_model
-
-    return (
-        f"{type(unwrap_model(model)).__name__} is a vision-language model, on which the fused head's step with the "
-        "start-up row check was measured wrong (relative error 1.03 against the float64 full batch)"
-    )
+    """Why ``fused_lm_head`` cannot run on ``model`` for multimodal reasons (None: none): patch-layout images
+    (Qwen-VL's ``pixel_values`` are the patches of the whole batch) cannot be cut into the start-up check's row.
+    LLaVA and Gemma 3, one image per row, run the fused head exactly (tests/unit/test_vlm.py, with the start-up check
+    on and off)."""
+    return row_split_problem(model)
 
 
 def check_batch_rows(batch: Mapping[str, Any], what: str) -> None:
