@@ -3,8 +3,9 @@
 Reads ``RUN_DIR/trainer_state.json`` (written by ``trainer.save_state()``), or the newest complete
 ``RUN_DIR/checkpoint-*/trainer_state.json`` when the run folder has none, and draws one panel per logged quantity
 that the run has: loss (and eval loss), grad norm, learning rate, tokens per second, padding ratio and effective
-batch (the last three logged by :class:`~hf_gradacc.callbacks.TokenStatsCallback`), and the gradient noise scale
-beside the step's batch (logged by :class:`~hf_gradacc.callbacks.GradientNoiseScaleCallback`).
+batch (the last three logged by :class:`~hf_gradacc.callbacks.TokenStatsCallback`), the gradient noise scale
+beside the step's batch (logged by :class:`~hf_gradacc.callbacks.GradientNoiseScaleCallback`), and a
+mixture-of-experts model's expert load ``moe/load_max_over_mean`` (see docs/moe.md).
 
 Example:
     ```bash
@@ -38,6 +39,8 @@ PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("accumulation", ("accumulation_steps",), "micro-batches per rank per step"),  # an accumulation schedule
     # GradientNoiseScaleCallback: B_simple beside the batch B of the step, both in the loss's items
     ("gradient noise scale", ("gns", "gns/batch_size"), "items (samples or tokens)"),
+    # a mixture-of-experts model's expert load, logged in both router_balance modes (hf_gradacc.moe_balance.LOAD_KEY)
+    ("expert load", ("moe/load_max_over_mean",), "most loaded expert / mean load (1.0: balanced)"),
 )
 # Keys without which a panel says nothing: the batch size alone is no noise scale.
 _PANEL_NEEDS: dict[str, str] = {"gradient noise scale": "gns"}
@@ -56,13 +59,14 @@ def plot_command_parser(subparsers: Any) -> argparse.ArgumentParser:
     """
     plot = subparsers.add_parser(
         "plot",
-        help="draw a run's loss, grad norm, learning rate, tokens/s, padding ratio, effective batch and gradient noise "
-        "scale to a PNG",
+        help="draw a run's loss, grad norm, learning rate, tokens/s, padding ratio, effective batch, gradient noise "
+        "scale and MoE expert load to a PNG",
         description=(
             "Read RUN_DIR/trainer_state.json (or the newest complete RUN_DIR/checkpoint-*/trainer_state.json) and "
             "draw one panel per logged quantity the run has: loss (and eval loss), grad norm, learning rate, tokens "
             "per second, padding ratio, effective batch (these three come from TokenStatsCallback), and the gradient "
-            "noise scale `gns` beside the step's batch `gns/batch_size` (GradientNoiseScaleCallback). Needs "
+            "noise scale `gns` beside the step's batch `gns/batch_size` (GradientNoiseScaleCallback), and a "
+            "mixture-of-experts model's expert load `moe/load_max_over_mean`. Needs "
             "matplotlib (pip install hf_gradacc[plot])."
         ),
     )

@@ -112,3 +112,18 @@ def test_plot_without_matplotlib_is_a_clear_error(run_dir: Path, tmp_path: Path,
     err = capsys.readouterr().err
     assert "hf-gradacc plot needs matplotlib" in err and "pip install hf_gradacc[plot]" in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_draws_the_expert_load_of_a_moe_run(tmp_path: Path) -> None:
+    """A mixture-of-experts run logs `moe/load_max_over_mean` (both router_balance modes): its panel is drawn, and only
+    when the history holds the key. The history is hand-made (the key the trainer logs: moe_balance.LOAD_KEY)."""
+    from hf_gradacc.commands import plot
+    from hf_gradacc.moe_balance import LOAD_KEY
+
+    history = [{"step": s, "loss": 4.0 - 0.1 * s, LOAD_KEY: 1.0 + 0.4 / s} for s in range(1, 5)]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    assert plot_run(str(tmp_path / "trainer_state.json"), str(tmp_path / "moe.png")) == ["loss", "expert load"]
+    assert plot._series(history, LOAD_KEY)[1] == pytest.approx([1.4, 1.2, 1 + 0.4 / 3, 1.1])
+    dense = [{k: v for k, v in h.items() if k != LOAD_KEY} for h in history]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": dense}))
+    assert plot_run(str(tmp_path / "trainer_state.json"), str(tmp_path / "dense.png")) == ["loss"]
