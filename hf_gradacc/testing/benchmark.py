@@ -55,6 +55,7 @@ import torch
 
 from ..compat import has_sampling_strategy
 from ..errors import GradAccConfigError, GradAccUsageError  # noqa: F401
+from . import bench_moe
 from .bench_probes import MemoryProbe, cpu_times_of_every_rank
 
 logger = logging.getLogger(__name__)
@@ -79,11 +80,13 @@ _TRAINER_LABELS = {
     "budget_fused": "GradAccTrainer + token budget + fused LM head",
     "pack_fused": "GradAccTrainer + packed + fused LM head",
     "stock_liger": "Trainer, Liger kernels (fused linear cross-entropy)",
+    **bench_moe.MOE_LABELS,
 }
 # Every trainer a run can name; the ``fused`` ones (``fused_lm_head=True``: alone, with the token budget, packed) are
 # not in the default set yet. ``stock_liger``: the stock Trainer with ``use_liger_kernel=True`` (Liger-Kernel's
-# Triton kernels, its fused linear cross-entropy among them: a GPU and the ``liger-kernel`` package).
-ALL_TRAINERS: tuple[str, ...] = (*TRAINERS, "fused", "budget_fused", "pack_fused", "stock_liger")
+# Triton kernels, its fused linear cross-entropy among them: a GPU and the ``liger-kernel`` package). The ``moe``
+# rows (router_balance, hf_gradacc.testing.bench_moe) make every row of their run train a tiny Mixtral.
+ALL_TRAINERS: tuple[str, ...] = (*TRAINERS, "fused", "budget_fused", "pack_fused", "stock_liger", *bench_moe.MOE_TRAINERS)
 def describe_trainers() -> str:
     """What ``hf-gradacc bench`` compares, from the rows' labels: one source for its help and the top-level help."""
     stock = [_TRAINER_LABELS[n].split(", ", 1)[1] for n in ALL_TRAINERS if n.startswith("stock_")]
@@ -193,9 +196,12 @@ def make_bench_samples(settings: BenchSettings, dataset: str, num_samples: int) 
 
 
 def build_bench_model(settings: BenchSettings) -> torch.nn.Module:
-    """A randomly initialised Llama causal LM of the requested size (dropout off, positions up to max_length)."""
+    """A randomly initialised Llama causal LM of the requested size (dropout off, positions up to max_length); a
+    Mixtral of that size where ``settings.trainers`` names a mixture-of-experts row (:mod:`.bench_moe`)."""
     import transformers as tf
 
+    if bench_moe.uses_moe(settings.trainers):
+        return bench_moe.build_bench_moe_model(settings)
     torch.manual_seed(settings.seed)
     config = tf.LlamaConfig(
         vocab_size=settings.vocab_size,
@@ -244,6 +250,8 @@ def _count_head_rows(trainer: Any) -> None:
     def count(_module: Any, args: tuple, output: Any) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a backward pass recomputing a checkpointed forward: those rows were counted once already
+        if isinstance(output, torch.Tensor) and output.shape[-1] == 1:
+            return  # router_balance's routing pre-pass: the head skipped, a [..., 1] placeholder (moe_balance)
         rows = getattr(output, "fused_rows", None)  # fused_lm_head: the rows its tiles projected
         trainer.head_rows += int(rows) if rows is not None else int(args[0].shape[:-1].numel())
 
@@ -382,6 +390,8 @@ def _trainer_args(settings: BenchSettings, name: str, output_dir: str, world_siz
         kwargs["max_tokens_per_micro_batch"] = settings.max_tokens_per_micro_batch
     elif name.startswith("pack"):
         kwargs.update(pack_micro_batches=True, max_tokens_per_micro_batch=settings.pack_max_tokens)
+    elif name in bench_moe.MOE_TRAINERS:
+        kwargs.update(bench_moe.moe_trainer_kwargs(name))
     if name.endswith("fused"):
         kwargs["fused_lm_head"] = True
     return GradAccConfig(**kwargs)
@@ -547,7 +557,8 @@ def format_table(rows: Sequence[BenchRow]) -> str:
             f"{r.computed_per_real_token:.3f} | {r.lm_head_rows_per_target:.2f} | "
             f"{r.peak_memory_bytes / 2**20:,.1f} MiB | {r.peak_memory_ratio:.3f} | {r.micro_batches_per_step:.1f} | {reductions} | {diff} |"
         )
-    return "\n".join(lines)
+    moe = bench_moe.format_moe_comparison(rows)  # router_balance global_batch against micro_batch, where both rows ran
+    return "\n".join(lines) + (f"\n\n{moe}" if moe else "")
 
 
 def environment() -> dict[str, str]:

@@ -129,3 +129,50 @@ def test_bench_quick_runs_with_repeats_and_cpu_time(tmp_path, capsys):
     assert all(len(r["step_cpu_times_s"]) == 2 and min(r["step_cpu_times_s"]) > 0 for r in payload["rows"])
     plain = next(s for s in payload["summary"] if s["trainer"] == "plain")
     assert plain["step time ratio"]["num_values"] == 4  # 2 step pairs x 2 repeats
+
+
+def test_docs_cli_names_every_bench_trainer():
+    """docs/cli.md's `--trainers` row names every row a run can ask for (the MoE rows included)."""
+    from hf_gradacc.testing.benchmark import ALL_TRAINERS
+
+    docs = (REPO_ROOT / "docs" / "cli.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `--trainers LIST` |"))
+    assert [name for name in ALL_TRAINERS if f"`{name}`" not in row] == []
+
+
+def test_bench_moe_rows_price_global_batch_against_micro_batch():
+    """`--trainers stock,plain,moe_micro,moe_global`: every row trains the tiny Mixtral; `moe_micro` is the plain
+    GradAccTrainer's update exactly (router_balance's default), `moe_global` another one (the balance loss over the
+    step); the pre-pass's skipped LM head is not counted as computed rows; the global-over-micro table follows."""
+    from hf_gradacc.testing.bench_moe import moe_ratios
+    from hf_gradacc.testing.benchmark import BenchSettings, bench_dataset, build_bench_model, format_table
+
+    settings = BenchSettings(
+        hidden_size=16, num_layers=1, num_heads=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        num_steps=2, num_warmup_steps=0, median_length=16, max_length=48, trainers=("stock", "plain", "moe_micro", "moe_global"),
+    )  # fmt: skip
+    assert type(build_bench_model(settings)).__name__ == "MixtralForCausalLM"
+    rows = {r.trainer: r for r in bench_dataset(settings, "long_tailed")}
+    assert rows["moe_micro"].relative_update_difference == 0.0
+    assert rows["moe_global"].relative_update_difference > 1e-6  # router_balance="global_batch" did change the step
+    assert rows["moe_global"].lm_head_rows_per_target == pytest.approx(rows["moe_micro"].lm_head_rows_per_target)
+    text = format_table(list(rows.values()))
+    assert "router_balance global_batch (moe_global) against micro_batch (moe_micro)" in text
+    (ratio,) = moe_ratios(list(rows.values()))
+    low, high = ratio["cpu_time_ratio_range"]
+    assert f"| long_tailed | 96 | {ratio['cpu_time_ratio']:.3f} [{low:.3f}-{high:.3f}] | " in text
+
+
+def test_bench_moe_ratios_are_global_over_micro_step_by_step():
+    from dataclasses import replace
+
+    from hf_gradacc.testing.bench_moe import format_moe_comparison, moe_ratios
+
+    micro = replace(_bench_row("moe_micro", [1.0, 2.0, 4.0], 1.0), peak_memory_bytes=100)
+    glob = replace(_bench_row("moe_global", [1.5, 2.0, 4.4], 1.0), peak_memory_bytes=120)
+    (ratio,) = moe_ratios([_bench_row("stock", [1.0, 1.0, 1.0], 1.0), glob, micro])
+    assert ratio["cpu_time_ratio"] == pytest.approx(1.1)  # median of 1.5, 1.0, 1.1
+    assert ratio["cpu_time_ratio_range"] == pytest.approx((1.0, 1.5))
+    assert ratio["total_cpu_time_ratio"] == pytest.approx(7.9 / 7.0)
+    assert ratio["peak_memory_ratio"] == pytest.approx(1.2)
+    assert format_moe_comparison([micro]) == ""  # one MoE row alone: nothing to compare
