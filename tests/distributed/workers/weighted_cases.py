@@ -1,6 +1,7 @@
 """Worker of ``tests/distributed/test_weighted_ddp.py``: on each of 2 DDP ranks (gloo), one SGD(lr=1) step of
 GradAccTrainer over a ``loss_weights`` column, against the float64 full batch of every rank's samples
 (hf_gradacc/testing/reference.py), and the same step with rank 1's weight sum one token short (the check must fail).
+The same launch runs the vision-language cases of ``vlm_cases.py`` (tiny LLaVA and Qwen2.5-VL, ours and stock).
 
     python weighted_cases.py --cases plain,one_token_short      # started by tests/distributed/launcher.run_workers
 """
@@ -17,6 +18,7 @@ from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, o
 from hf_gradacc.testing.tiny import PaddingCollator, build_tiny_model, make_samples
 from hf_gradacc.weights import LOSS_WEIGHTS_KEY, LossWeightsCollator
 from tests.distributed.workers._common import rank, run_named_cases, world_size
+from tests.distributed.workers.vlm_cases import CASES as VLM_CASES
 
 BS, GA = 2, 4
 
@@ -69,10 +71,13 @@ def one_token_short() -> dict:
 
     if rank() == 1:
         counting.target_weight_sum = short
-    return _step(_samples(per_sample=False))
+    try:
+        return _step(_samples(per_sample=False))
+    finally:  # the cases after this one (vlm_cases.py) run with the real count
+        counting.target_weight_sum = weights.target_weight_sum
 
 
-CASES = {"plain": plain, "one_token_short": one_token_short}
+CASES = {"plain": plain, "one_token_short": one_token_short, **VLM_CASES}
 
 if __name__ == "__main__":
     run_named_cases(CASES, __doc__)
