@@ -138,7 +138,19 @@ ACCELERATE_MEMBERS: tuple[PrivateMember, ...] = (
                   used_by="patches/fsdp_cpu.py (opt-in)"),
 )  # fmt: skip
 
-ALL_MEMBERS: tuple[PrivateMember, ...] = TRAINER_MEMBERS + TRL_MEMBERS + ACCELERATE_MEMBERS
+# Members only some runs or versions reach: checked where they are used, not at every construction (an older
+# transformers of the supported range lacks the context-parallel entry; the GRPO reference is test code).
+OPTIONAL_MEMBERS: tuple[PrivateMember, ...] = (
+    _trainer("_prepare_context_parallel_inputs", "call",
+             "context_parallel.py: a micro-batch sharded through the Trainer's own entry (cp_size > 1)", "model", "inputs"),
+    _trainer("_set_signature_columns_if_needed", "call", "weights.py: the forward's columns, loss_weights kept"),
+    _trainer("_signature_columns", "attribute", "weights.py: loss_weights kept through remove_unused_columns"),
+    PrivateMember(owner="trl.GRPOTrainer", name="_generate_and_score_completions", kind="override",
+                  used_by="testing/grpo_reference.py: the test recorder notes each completion's generation step",
+                  params=("inputs",)),
+)  # fmt: skip
+
+ALL_MEMBERS: tuple[PrivateMember, ...] = TRAINER_MEMBERS + TRL_MEMBERS + ACCELERATE_MEMBERS + OPTIONAL_MEMBERS
 
 
 def is_supported(package: str, version: str) -> bool:

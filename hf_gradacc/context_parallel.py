@@ -216,6 +216,9 @@ def context_parallel_for(trainer: GradAccMixin, *, size: int | None = None, rank
             f"`cp_size` {size}: transformers {transformers.__version__} has no `Trainer._prepare_context_parallel_inputs`"
             ", the entry GradAccTrainer shards a micro-batch through. Use transformers >= 5.24, or `cp_size: 1`."
         )
+    from .compat import OPTIONAL_MEMBERS, check_members
+
+    check_members(tuple(m for m in OPTIONAL_MEMBERS if m.name == "_prepare_context_parallel_inputs"))
     from .heads import unwrap_model
 
     settings, head = trainer.gradacc, trainer.head
