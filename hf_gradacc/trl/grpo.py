@@ -25,18 +25,20 @@ from trl import GRPOConfig, GRPOTrainer
 
 from ..compat import trl_at_least
 from ..config import GradAccArguments
-from ..errors import GradAccConfigError, GradAccDataError
+from ..errors import GradAccConfigError
 from ..loss import LossTerm
 from ..mixin import GradAccMixin
 from ._common import (
     TRL_FUSED_LM_HEAD,
     TRL_GRPO_STEP_NORMALISED,
     ForwardRecorder,
+    agree_on_micro_batches,
     check_args_class,
     refuse_before,
     refuse_uneven_micro_batches,
     router_term,
     training_window,
+    with_completion_labels,
 )
 
 __all__ = ["GradAccGRPOConfig", "GradAccGRPOTrainer"]
@@ -131,14 +133,14 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
         between), with ``labels`` marking the completion tokens of the loss (``completion_mask x tool_mask``) and the
         ``attention_mask`` of the forward pass, so that the window counts them."""
         generation_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        _agree_on_micro_batches(self, len(generation_batches))
+        agree_on_micro_batches(self, len(generation_batches))
         self.model.train()  # TRL keys generation, its buffer and its metrics on `model.training`
         start = time.perf_counter()
         batches = []
         for generation_batch in generation_batches:
             inputs = GRPOTrainer._prepare_inputs(self, generation_batch)
             self._step += 1  # TRL advances its micro-batch counter in its training_step, which the mixin replaces
-            batches.append(_with_completion_labels(inputs, ignore_index=self.head.ignore_index))
+            batches.append(with_completion_labels(inputs, ignore_index=self.head.ignore_index))
         self._current_train_step_time += time.perf_counter() - start
         return batches, None
 
@@ -291,36 +293,7 @@ def _refuse_grpo_before_fused_head(trainer: Any) -> None:
         )  # fmt: skip
 
 
-def _agree_on_micro_batches(trainer: Any, num_local: int) -> None:
-    """Every process must prepare as many micro-batches as the others: TRL's generation gathers rewards and lengths
-    across processes. One small collective BEFORE generating, so that a process with fewer batches (an
-    IterableDataset that runs out sooner) stops every process instead of leaving one waiting in TRL's gather."""
-    if trainer.accelerator.num_processes == 1:
-        return
-    local = torch.tensor([num_local], dtype=torch.int64, device=trainer.args.device)
-    per_rank = [int(n) for n in trainer.backend.all_gather(local).reshape(-1).tolist()]
-    if len(set(per_rank)) > 1:
-        raise GradAccDataError(
-            f"The processes hold different numbers of micro-batches in this optimizer step ({per_rank}). "
-            f"{type(trainer).__name__} generates each micro-batch's completions with TRL, which gathers rewards across "
-            "processes, so a process with more would wait forever. Use a map-style dataset (accelerate gives every "
-            "process the same number of batches) or an IterableDataset that yields as many batches on every process."
-        )
-
-
 def _grpo_loss_mask(inputs: Mapping[str, Any]) -> torch.Tensor:
     """The completion tokens TRL's loss sums over: ``completion_mask``, times ``tool_mask`` when tools ran."""
     mask = inputs["completion_mask"]
     return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
-
-
-def _with_completion_labels(inputs: Mapping[str, Any], *, ignore_index: int) -> dict[str, Any]:
-    """``inputs`` plus ``labels``: a leading ignored column (dropped by the causal count's shift), then the completion
-    ids where the loss mask is 1 and ``ignore_index`` elsewhere, so the window's count is exactly the loss mask's; plus
-    the forward pass's ``attention_mask`` (prompt then completion), the routed tokens of a router term. TRL's loss
-    reads neither key."""
-    completion_ids = inputs["completion_ids"]
-    targets = completion_ids.masked_fill(_grpo_loss_mask(inputs) == 0, ignore_index)
-    first = torch.full_like(targets[:, :1], ignore_index)
-    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    return {**inputs, "labels": torch.cat([first, targets], dim=1), "attention_mask": attention_mask}

@@ -197,7 +197,7 @@ def test_processes_with_different_numbers_of_micro_batches_stop_before_generatin
     from types import SimpleNamespace
 
     from hf_gradacc import GradAccDataError
-    from hf_gradacc.trl.grpo import _agree_on_micro_batches
+    from hf_gradacc.trl._common import agree_on_micro_batches as _agree_on_micro_batches
 
     def trainer(per_rank):
         gather = lambda local: torch.tensor(per_rank)  # noqa: E731 - every rank's count, as all_gather returns them
@@ -213,7 +213,7 @@ def test_the_window_counts_exactly_the_completion_tokens_of_the_loss() -> None:
     """The ``labels`` handed to the window mark the loss mask (``completion_mask x tool_mask``): the causal count (after
     its shift) is the mask's sum, every row a sequence, and the attention mask is the forward pass's."""
     from hf_gradacc.heads import Head
-    from hf_gradacc.trl.grpo import _with_completion_labels
+    from hf_gradacc.trl._common import with_completion_labels as _with_completion_labels
 
     inputs = {
         "prompt_ids": torch.tensor([[0, 5, 6], [4, 4, 7]]),
