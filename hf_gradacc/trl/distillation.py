@@ -21,7 +21,6 @@ number of micro-batches), ``auto_micro_batch`` and ``defer_normalization``.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,11 +31,10 @@ from ..errors import GradAccConfigError
 from ..loss import LossTerm
 from ..mixin import GradAccMixin
 from ._common import (
-    agree_on_micro_batches,
     check_args_class,
+    generate_at_fetch,
     refuse_uneven_micro_batches,
     training_window,
-    with_completion_labels,
 )
 
 __all__ = ["GradAccDistillationConfig", "GradAccDistillationTrainer"]
@@ -105,16 +103,7 @@ class GradAccDistillationTrainer(GradAccMixin, DistillationTrainer):
         """The step's micro-batches, each generated and sliced by TRL's ``_prepare_inputs`` in order (TRL generates
         once per step and serves slices of its buffer), with ``labels`` marking the counted completion tokens."""
         generation_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        agree_on_micro_batches(self, len(generation_batches))
-        self.model.train()  # TRL keys generation and its buffer on `model.training`
-        start = time.perf_counter()
-        batches = []
-        for generation_batch in generation_batches:
-            inputs = DistillationTrainer._prepare_inputs(self, generation_batch)
-            self._step += 1  # TRL advances its micro-batch counter in its training_step, which the mixin replaces
-            batches.append(with_completion_labels(inputs, ignore_index=self.head.ignore_index))
-        self._current_train_step_time += time.perf_counter() - start
-        return batches, None
+        return generate_at_fetch(self, DistillationTrainer._prepare_inputs, generation_batches), None
 
     def _prepare_inputs(self, inputs):
         """In a training step the micro-batch was prepared when the step was fetched: returned as it is."""

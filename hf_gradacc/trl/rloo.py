@@ -17,7 +17,6 @@ Refused: regrouping and packing (the dataloader yields prompts), ``accumulation_
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +27,10 @@ from ..errors import GradAccConfigError
 from ..loss import LossTerm
 from ..mixin import GradAccMixin
 from ._common import (
-    agree_on_micro_batches,
     check_args_class,
+    generate_at_fetch,
     refuse_uneven_micro_batches,
     training_window,
-    with_completion_labels,
 )
 
 __all__ = ["GradAccRLOOConfig", "GradAccRLOOTrainer"]
@@ -110,16 +108,7 @@ class GradAccRLOOTrainer(GradAccMixin, RLOOTrainer):
         """The step's micro-batches, each generated, scored and sliced by TRL's ``_prepare_inputs`` in order (TRL
         generates once every ``steps_per_generation x num_iterations`` micro-batches)."""
         generation_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        agree_on_micro_batches(self, len(generation_batches))
-        self.model.train()  # TRL keys generation, its buffer and its metrics on `model.training`
-        start = time.perf_counter()
-        batches = []
-        for generation_batch in generation_batches:
-            inputs = RLOOTrainer._prepare_inputs(self, generation_batch)
-            self._step += 1  # TRL advances its micro-batch counter in its training_step, which the mixin replaces
-            batches.append(with_completion_labels(inputs, ignore_index=self.head.ignore_index))
-        self._current_train_step_time += time.perf_counter() - start
-        return batches, None
+        return generate_at_fetch(self, RLOOTrainer._prepare_inputs, generation_batches), None
 
     def _prepare_inputs(self, inputs):
         """In a training step the micro-batch was prepared when the step was fetched: returned as it is."""
