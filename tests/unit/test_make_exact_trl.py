@@ -17,7 +17,7 @@ pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
 from transformers import Trainer  # noqa: E402
-from trl import DistillationTrainer, DPOConfig, DPOTrainer, KTOTrainer, RLOOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from hf_gradacc import make_exact  # noqa: E402
 from hf_gradacc.errors import GradAccTypeError  # noqa: E402
@@ -106,6 +106,9 @@ def test_a_trl_trainer_hf_gradacc_does_not_cover_is_refused() -> None:
 
 
 def test_kto_rloo_and_distillation_are_mapped() -> None:
+    pytest.importorskip("trl", minversion="1.16", reason="GradAccKTO/RLOO/DistillationTrainer need TRL >= 1.16")
+    from trl import DistillationTrainer, KTOTrainer, RLOOTrainer
+
     from hf_gradacc.trl import GradAccDistillationTrainer, GradAccKTOTrainer, GradAccRLOOTrainer
 
     assert exact_class(KTOTrainer) is GradAccKTOTrainer

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("trl")
+# hf_gradacc covers TRL's KTO, RLOO and Distillation trainers from TRL 1.16 on (older TRL: TRLDependencyError).
+pytest.importorskip("trl", minversion="1.16")
 
 from transformers import HfArgumentParser  # noqa: E402
 from trl import DistillationConfig, DistillationTrainer  # noqa: E402

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("trl")
+# hf_gradacc covers TRL's KTO, RLOO and Distillation trainers from TRL 1.16 on (older TRL: TRLDependencyError).
+pytest.importorskip("trl", minversion="1.16")
 
 from transformers import HfArgumentParser  # noqa: E402
 from trl import KTOConfig, KTOTrainer  # noqa: E402

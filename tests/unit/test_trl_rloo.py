@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("trl")
+# hf_gradacc covers TRL's KTO, RLOO and Distillation trainers from TRL 1.16 on (older TRL: TRLDependencyError).
+pytest.importorskip("trl", minversion="1.16")
 
 from trl import RLOOConfig, RLOOTrainer  # noqa: E402
 
