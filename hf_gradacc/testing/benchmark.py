@@ -250,9 +250,9 @@ def _count_head_rows(trainer: Any) -> None:
     def count(_module: Any, args: tuple, output: Any) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a backward pass recomputing a checkpointed forward: those rows were counted once already
-        if isinstance(output, torch.Tensor) and output.shape[-1] == 1:
-            return  # router_balance's routing pre-pass: the head skipped, a [..., 1] placeholder (moe_balance)
         rows = getattr(output, "fused_rows", None)  # fused_lm_head: the rows its tiles projected
+        if rows is None and isinstance(output, torch.Tensor) and output.shape[-1] == 1:
+            return  # router_balance's routing pre-pass: the head skipped, a [..., 1] placeholder (moe_balance)
         trainer.head_rows += int(rows) if rows is not None else int(args[0].shape[:-1].numel())
 
     trainer.model.get_output_embeddings().register_forward_hook(count)
