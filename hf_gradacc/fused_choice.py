@@ -213,9 +213,8 @@ def auto_problem(trainer: Any) -> str | None:
         return "`check_loss_at_start=False`: nothing would stop a logit transform the fused head does not apply"
     if trainer.gradacc.defer_normalization:
         return "`defer_normalization=True` streams the micro-batches: the step's counts are not known before they run"
-    sizes = getattr(trainer.backend, "_sizes", None) or {}
-    if sizes.get("tp", 1) > 1:
-        return f"the LM head is sharded by tensor parallelism (`tp_size` {sizes['tp']})"
+    if trainer.backend.model_parallelism is not None:
+        return f"the run uses {trainer.backend.model_parallelism} (the fused head needs whole tokens and a whole head)"
     problem = fused_support_problem(trainer.model, trainer.head.type, distributed=trainer.backend.dp_world_size > 1)
     if problem is not None:
         return problem

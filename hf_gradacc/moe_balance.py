@@ -248,8 +248,9 @@ def check_router_balance(trainer: Any) -> RouterShape | None:
         if getattr(settings, knob):
             refusals.append(f"`{knob}` is set")
     backend = trainer.backend
-    if backend.name == "tensor_parallel" or getattr(backend, "sequence_parallel_size", 1) > 1:
-        refusals.append(f"the {backend.describe()} backend (ranks holding copies or shards of the same tokens)")
+    if backend.model_parallelism is not None:
+        refusals.append(f"{backend.model_parallelism} on the {backend.describe()} backend (ranks holding copies or "
+                        "shards of the same tokens)")
     if refusals:
         raise GradAccConfigError(
             "`router_balance='global_batch'` is not supported here: " + "; ".join(refusals) + ". Set "

@@ -104,6 +104,13 @@ class Backend:
         """Number of ranks the backend averages gradients over."""
         return self.accelerator.num_processes
 
+    @property
+    def model_parallelism(self) -> str | None:
+        """The model-parallel dimension of this run in words (ranks holding shards or copies of the same tokens:
+        tensor or sequence parallelism), or None for data parallelism alone. Features that need whole tokens on a
+        rank (the automatic fused head, ``router_balance='global_batch'``) ask this instead of the backend's type."""
+        return None
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """One collective: every rank's ``tensor`` stacked along a new first dim (every process: data ranks and,
         under sequence parallelism, the sequence shards, which hold different targets)."""

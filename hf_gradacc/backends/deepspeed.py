@@ -264,6 +264,11 @@ class DeepSpeedBackend(Backend):
         )
 
     @property
+    def model_parallelism(self) -> str | None:
+        sp = self.sequence_parallel_size
+        return f"Ulysses sequence parallelism (`sp_size` {sp})" if sp > 1 else None
+
+    @property
     def sequence_parallel_size(self) -> int:
         """Ranks holding positions of the same sequences (accelerate's ``sp_size`` with ``sp_backend="deepspeed"``)."""
         pc = getattr(self.accelerator, "parallelism_config", None)

@@ -120,6 +120,11 @@ class TensorParallelBackend(FSDP2Backend):
             )
         self._build_group()
 
+    @property
+    def model_parallelism(self) -> str | None:
+        tp = (self._sizes or {}).get("tp", 1)
+        return f"tensor parallelism (`tp_size` {tp})" if tp > 1 else None
+
     def _build_group(self) -> None:
         import torch.distributed as dist
 

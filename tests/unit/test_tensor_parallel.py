@@ -166,6 +166,8 @@ def test_a_sequence_classifier_under_ulysses_is_refused_by_name(sp_size):
     backend.settings = GradAccSettings()
     backend.accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=sp_size, sp_backend="deepspeed"))
     backend.check_model(build_tiny_model("causal_lm"))
+    # what the automatic fused head and router_balance='global_batch' ask: sp named, or no model parallelism
+    assert backend.model_parallelism == (None if sp_size == 1 else "Ulysses sequence parallelism (`sp_size` 2)")
     classifier = build_tiny_model("sequence_classification")
     if sp_size == 1:
         backend.check_model(classifier)
