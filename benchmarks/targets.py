@@ -3,13 +3,16 @@ speed cancels out, its noise does not, so repeat a run that looks disturbed.
 
     hf-gradacc bench --datasets equal,long_tailed --json bench96.json
     python benchmarks/targets.py bench96.json                 # prints every target it can check, exit 1 if one fails
+    python benchmarks/targets.py run1.json run2.json          # ... and, per target, whether the runs agree
 
 Each target names the rows it compares; a target whose rows are not in the file is skipped (and said so). Totals
 (sum of the timed steps) are compared, not medians of pairs: a stock sampler that moves samples between steps makes
 unequal steps that a median hides. Time is the process CPU time (every rank's, summed: ``total_cpu_time_ratio``), which
 other processes on a shared machine do not inflate as they inflate the wall time (two wall-time runs of the
 vocabulary-96 targets flipped on a busy 2-core machine); ``--wall`` judges the wall time instead, and a file written
-before CPU time was recorded is judged on its wall time (said so).
+before CPU time was recorded is judged on its wall time (said so). Given several files (runs of the same command),
+it also prints, per target, each run's verdict, whether they agree, and whether the margin from the limit is inside
+the spread between the runs (then the verdict is not settled by them).
 """
 
 from __future__ import annotations
@@ -124,16 +127,66 @@ def check(
     return results
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """One target over several runs (files): each run's ratio and verdict, whether the verdicts agree, and whether the
+    margin (the median ratio's distance from the limit) is inside the spread of the runs' ratios (then one more run
+    could flip the verdict: the target is level with its limit on this machine, not met or missed by a margin)."""
+
+    target: Target
+    ratios: tuple[float, ...]
+
+    @property
+    def verdicts(self) -> tuple[bool, ...]:
+        return tuple(r <= self.target.limit for r in self.ratios)
+
+    @property
+    def agree(self) -> bool:
+        return len(set(self.verdicts)) == 1
+
+    @property
+    def spread(self) -> float:
+        return max(self.ratios) - min(self.ratios)
+
+    @property
+    def margin(self) -> float:
+        return abs(statistics.median(self.ratios) - self.target.limit)
+
+    @property
+    def margin_inside_spread(self) -> bool:
+        return self.margin <= self.spread
+
+    def __str__(self) -> str:
+        runs = " / ".join(f"{r:.3f} {'met' if v else 'NOT MET'}" for r, v in zip(self.ratios, self.verdicts))
+        text = f"{'same verdict' if self.agree else 'VERDICTS DIFFER'} in {len(self.ratios)} runs: {runs} (limit "
+        text += f"{self.target.limit}; spread {self.spread:.3f}, margin {self.margin:.3f}"
+        return text + (": the margin is inside the spread)" if self.margin_inside_spread else ")")
+
+
+def agreement(runs: Sequence[Sequence[tuple[Target, float, str]]]) -> list[Agreement]:
+    """Every target :func:`check` measured in more than one of ``runs`` (one :func:`check` result per file), in the
+    order of :data:`TARGETS`."""
+    ratios: dict[str, list[float]] = {}
+    by_name: dict[str, Target] = {}
+    for results in runs:
+        for target, ratio, _ in results:
+            ratios.setdefault(target.name, []).append(ratio)
+            by_name[target.name] = target
+    return [Agreement(by_name[n], tuple(r)) for n, r in ratios.items() if len(r) > 1]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json", nargs="+", help="files written by `hf-gradacc bench --json`")
     parser.add_argument("--wall", action="store_true", help="judge the wall time (a quiet machine), not the CPU time")
     args = parser.parse_args(argv)
     failed = 0
+    runs = []
     for path in args.json:
         with open(path) as f:
             rows = json.load(f)["rows"]
         results = check(rows, wall=args.wall)
+        runs.append(results)
         key = time_key(rows, wall=args.wall)
         if key == WALL and not args.wall:
             print(f"note: {path} has no CPU time (written before it was recorded): judged on the wall time")
@@ -147,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for target in TARGETS:
             if target.name not in checked:
                 print(f"skipped {target.name}: no {target.dataset} rows at vocabulary {target.vocab_size} [{path}]")
+    for agreed in agreement(runs):
+        print(f"{agreed.target.name}: {agreed}")
     return 1 if failed else 0
 
 

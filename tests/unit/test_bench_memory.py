@@ -177,3 +177,31 @@ def test_bench_keeps_every_ranks_cpu_time(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj, other]))
     gathered = cpu_times_of_every_rank(local, 2)
     assert gathered == {"stock": [[1.0, 2.0], [3.0, 4.0]], "plain": [[0.5, 0.6], [0.7, 0.8]]}
+
+
+def test_bench_targets_say_whether_two_runs_agree_and_whether_the_margin_is_noise(tmp_path, capsys) -> None:
+    """Two runs of one command: per target, both verdicts, whether they agree, and whether the margin from the limit
+    is inside the spread between the runs (the vocabulary-96 targets flipped between two wall-time runs)."""
+    import json
+
+    targets = _targets()
+
+    def run(pack_equal: float, pack_long: float) -> list[dict]:
+        return [_row("pack", "equal", 96, pack_equal, 10), _row("plain", "equal", 96, 1.0, 10),
+                _row("pack", "long_tailed", 96, pack_long, 10), _row("regroup", "long_tailed", 96, 1.0, 10)]  # fmt: skip
+
+    runs = [targets.check(run(1.00, 0.96)), targets.check(run(1.02, 1.02))]
+    by_dataset = {a.target.dataset: a for a in targets.agreement(runs)}
+    equal, long = by_dataset["equal"], by_dataset["long_tailed"]
+    assert equal.ratios == pytest.approx((1.00, 1.02)) and equal.verdicts == (True, True) and equal.agree
+    assert not equal.margin_inside_spread  # 0.04 from the limit 1.05, runs 0.02 apart
+    assert long.verdicts == (True, False) and not long.agree and long.margin_inside_spread  # 0.01 from it, 0.06 apart
+    assert targets.agreement(runs[:1]) == []  # one run: nothing to agree on
+    paths = []
+    for i, rows in enumerate((run(1.00, 0.96), run(1.02, 1.02))):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps({"rows": rows}))
+    assert targets.main([str(p) for p in paths]) == 1  # the second run misses the long-tailed target
+    out = capsys.readouterr().out
+    assert "same verdict in 2 runs: 1.000 met / 1.020 met" in out
+    assert "VERDICTS DIFFER in 2 runs: 0.960 met / 1.020 NOT MET" in out and "margin is inside the spread" in out
