@@ -16,9 +16,11 @@ hidden states and the head's weight, ``--repeats`` times after one warm-up.
   Wall time is printed beside it but means little on a shared machine.
 - **Peak memory**: the rise of the process's resident-set high-water mark (``VmHWM``, reset through
   ``/proc/self/clear_refs``) over the resident set once the inputs exist, over the warm-up and the repeats: torch's
-  CPU allocator keeps no statistics and ``tracemalloc`` does not see it. The weight's ``.grad`` is reset to None
-  before each repeat (a first micro-batch); ``--grad_exists`` keeps a zeroed one (a later micro-batch of gradient
-  accumulation: the new gradient is added into it).
+  CPU allocator keeps no statistics and ``tracemalloc`` does not see it.
+- **Both states of the weight's ``.grad``** (``--states``), side by side: reset to None before each repeat (``first``:
+  a first micro-batch, where both methods materialise the float32 weight gradient) and a zeroed one kept
+  (``grad_exists``: micro-batches 2..N of accumulation; the full logits make a temporary gradient that autograd adds
+  into it, the fused head adds into it directly: :mod:`hf_gradacc.fused_into_grad`).
 - **Exactness**: after the timed runs, the largest relative error of the loss, the hidden states' and the weight's
   gradients against a float64 computation of the full logits.
 """
@@ -49,11 +51,13 @@ def _status(key: str) -> int:
     raise OSError(key)
 
 
-def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed: int, grad_exists: bool) -> dict:
+def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed: int, grad_exists: bool,
+            tile_rows: int | None = None) -> dict:  # fmt: skip
     """One (method, shape) in this process: CPU and wall time per repeat, the peak rise, the errors vs float64."""
     import torch
     import torch.nn.functional as F
 
+    from hf_gradacc import fused_into_grad
     from hf_gradacc.fused_head import fused_cross_entropy_sum, rows_per_tile
 
     torch.set_num_threads(1)
@@ -71,7 +75,7 @@ def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed:
         if method == "torch_linear_cross_entropy":
             return F.linear_cross_entropy(h, head.weight, targets, reduction="sum", ignore_index=-100,
                                           options=torch.nn.LinearCrossEntropyOptions())  # fmt: skip
-        return fused_cross_entropy_sum(h, head.forward, targets)  # as the trainer calls it
+        return fused_cross_entropy_sum(h, head.forward, targets, tile_rows=tile_rows)  # as the trainer calls it
 
     zero = torch.zeros_like(head.weight) if grad_exists else None
     with open("/proc/self/clear_refs", "w") as f:
@@ -102,7 +106,8 @@ def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed:
     return {
         "method": method, "rows": rows, "hidden": hidden, "vocab": vocab, "grad_exists": grad_exists,
         "cpu_s": cpu, "wall_s": wall, "peak_bytes": peak,
-        "tile_rows": min(rows, rows_per_tile(rows, hidden, vocab)) if method == "hf_gradacc_tiles" else None,
+        "tile_rows": min(rows, tile_rows or rows_per_tile(rows, hidden, vocab)) if method == "hf_gradacc_tiles" else None,
+        "into_grad_writes": fused_into_grad.STATS.written, "into_grad_corrected": fused_into_grad.STATS.corrected,
         "loss_rel_error": abs(loss - float(ref)) / abs(float(ref)),
         "grad_hidden_rel_error": rel(grad_hidden, h64.grad), "grad_weight_rel_error": rel(grad_weight, w64.grad),
     }  # fmt: skip
@@ -113,27 +118,31 @@ def _shape(text: str) -> tuple[int, int, int]:
     return rows, hidden, vocab
 
 
-def markdown(results: list[dict[str, Any]], command: str) -> str:
-    """The table: per shape and method, CPU time (median [min-max]) and its ratio to the full logits' median, peak
-    memory and its ratio, the errors against float64."""
+STATES = {False: "none (first micro-batch)", True: "present (micro-batches 2..N)"}
+
+
+def markdown(results: list[dict[str, Any]], command: str, load: str = "") -> str:
+    """The table: per shape, state of the weight's ``.grad`` and method, CPU time (median [min-max]) and its ratio to
+    the full logits' median in the same state, peak memory and its ratio, the errors against float64."""
     import torch
 
     lines = [
         f"{datetime.date.today().isoformat()}, torch {torch.__version__}, python {platform.python_version()}, "
-        f"{platform.processor() or platform.machine()}, one thread, float32. Command: `{command}`",
+        f"{platform.processor() or platform.machine()}, one thread, float32{load}. Command: `{command}`",
         "",
-        "| rows x hidden x vocabulary | method | tile rows | CPU time, median [min-max] | vs full logits | "
-        "wall (median) | peak memory | vs full logits | loss / grad hidden / grad weight rel. error vs float64 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| rows x hidden x vocabulary | weight's .grad | method | tile rows | CPU time, median [min-max] | "
+        "vs full logits | wall (median) | peak memory | vs full logits | loss / grad hidden / grad weight rel. "
+        "error vs float64 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in results:
+    for r in sorted(results, key=lambda r: (_key(r)[:3], r["grad_exists"])):
         full = next((x for x in results if x["method"] == "full_logits" and _key(x) == _key(r)), None)
         med = statistics.median(r["cpu_s"])
         cpu_ratio = f"{med / statistics.median(full['cpu_s']):.3f}x" if full else "-"
         mem_ratio = f"{r['peak_bytes'] / max(full['peak_bytes'], 1):.2f}x" if full else "-"
         lines.append(
-            f"| {r['rows']} x {r['hidden']} x {r['vocab']} | {r['method']} | {r['tile_rows'] or '-'} | "
-            f"{med:.3f} s [{min(r['cpu_s']):.3f}-{max(r['cpu_s']):.3f}] | {cpu_ratio} | "
+            f"| {r['rows']} x {r['hidden']} x {r['vocab']} | {STATES[r['grad_exists']]} | {r['method']} | "
+            f"{r['tile_rows'] or '-'} | {med:.3f} s [{min(r['cpu_s']):.3f}-{max(r['cpu_s']):.3f}] | {cpu_ratio} | "
             f"{statistics.median(r['wall_s']):.3f} s | {r['peak_bytes'] / 2**20:,.0f} MiB | {mem_ratio} | "
             f"{r['loss_rel_error']:.1e} / {r['grad_hidden_rel_error']:.1e} / {r['grad_weight_rel_error']:.1e} |"
         )
@@ -150,33 +159,50 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--methods", default="full_logits,hf_gradacc_tiles", help=f"any of {','.join(METHODS)}")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--grad_exists", action="store_true", help="the weight's .grad exists (accumulation)")
+    parser.add_argument("--states", default="first,grad_exists",
+                        help="the weight's .grad before each repeat: first (None: a first micro-batch), grad_exists "
+                        "(a zeroed one: micro-batches 2..N of accumulation); comma-separated")  # fmt: skip
+    parser.add_argument("--grad_exists", action="store_true", help="the same as --states grad_exists")
+    parser.add_argument(
+        "--tile_rows", type=int, default=None, help="the fused head's rows per tile (default: its own)"
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.worker:
         method, shape = opts.worker.split(":")
-        result = run_one(method, *_shape(shape), opts.repeats, opts.seed, opts.grad_exists)
+        result = run_one(method, *_shape(shape), opts.repeats, opts.seed, opts.grad_exists, opts.tile_rows)
         print("RESULT " + json.dumps(result))
         return []
+    states = ["grad_exists"] if opts.grad_exists else opts.states.split(",")
+    if set(states) - {"first", "grad_exists"}:
+        raise SystemExit(f"--states: {opts.states!r}: use first, grad_exists or both")
     env = {**os.environ, **ONE_THREAD}
-    results = []
+    results, loads = [], [os.getloadavg()[0]]
     for shape in opts.shapes.split(","):
-        for method in opts.methods.split(","):
-            if method not in METHODS:
-                raise SystemExit(f"--methods: {method!r} is not one of {METHODS}")
-            command = [sys.executable, os.path.abspath(__file__), "--repeats", str(opts.repeats), "--seed",
-                       str(opts.seed), "--worker", f"{method}:{shape}"] + (["--grad_exists"] if opts.grad_exists else [])  # fmt: skip
-            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=7200)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                raise SystemExit(f"{method} {shape} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-            results.append(json.loads(lines[-1][len("RESULT ") :]))
-            r = results[-1]
-            print(f"{method} {shape}: CPU median {statistics.median(r['cpu_s']):.3f} s, "
-                  f"peak {r['peak_bytes'] / 2**20:,.0f} MiB", flush=True)  # fmt: skip
-    table = markdown(results, "python benchmarks/fused_head.py " + " ".join(sys.argv[1:] if argv is None else argv))
+        for state in states:
+            for method in opts.methods.split(","):
+                if method not in METHODS:
+                    raise SystemExit(f"--methods: {method!r} is not one of {METHODS}")
+                command = [sys.executable, os.path.abspath(__file__), "--repeats", str(opts.repeats), "--seed",
+                           str(opts.seed), "--worker", f"{method}:{shape}"]  # fmt: skip
+                command += ["--grad_exists"] if state == "grad_exists" else []
+                command += ["--tile_rows", str(opts.tile_rows)] if opts.tile_rows else []
+                proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=7200)
+                lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+                if proc.returncode != 0 or not lines:
+                    raise SystemExit(f"{method} {shape} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+                results.append(json.loads(lines[-1][len("RESULT ") :]))
+                loads.append(os.getloadavg()[0])
+                r = results[-1]
+                print(f"{method} {shape} .grad {state}: CPU median {statistics.median(r['cpu_s']):.3f} s, "
+                      f"peak {r['peak_bytes'] / 2**20:,.0f} MiB, in-place writes {r['into_grad_writes']}",
+                      flush=True)  # fmt: skip
+    load = f", load average (1 min) {min(loads):.1f}-{max(loads):.1f}"
+    table = markdown(
+        results, "python benchmarks/fused_head.py " + " ".join(sys.argv[1:] if argv is None else argv), load
+    )
     print("\n" + table)
     if opts.markdown:
         with open(opts.markdown, "w") as f:

@@ -36,6 +36,9 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .errors import GradAccLossError, GradAccUsageError
+from .fused_into_grad import Written
+from .fused_into_grad import begin as into_grad_begin
+from .fused_into_grad import observe as into_grad_observe
 from .loss import IGNORE_INDEX, model_labels
 
 # Elements of one tile's logits: 2**23 float32 values are 32 MiB (55 rows at a 151,936-token vocabulary, 262 at
@@ -135,12 +138,17 @@ def fused_cross_entropy_sum(
     ignore_index: int = IGNORE_INDEX,
     tile_rows: int | None = None,
     label_smoothing: float = 0.0,
+    wrapper: Any = None,
+    into_grad: bool = True,
 ) -> torch.Tensor:
     """SUM over the rows of ``hidden`` (``[rows, hidden]``) of the cross-entropy of ``transform(head(row))`` against
     ``targets`` (``[rows]``), a tile of rows at a time. With gradient, each tile's gradients (with respect to its rows
     of ``hidden`` and to the head's trainable parameters) are computed as soon as its logits are, and the logits freed;
     the backward pass only scales them by the loss's incoming gradient (the SUM is linear in each tile's loss).
     ``label_smoothing``: as ``torch.nn.functional.cross_entropy``'s (the Trainer's ``label_smoothing_factor``).
+    ``into_grad``: a float32 ``nn.Linear`` weight whose ``.grad`` exists gets its gradient added straight into it
+    where that is the same update (:mod:`hf_gradacc.fused_into_grad`; ``wrapper``: the model as the training step
+    called it, DDP for instance); False keeps autograd's return everywhere.
 
     Pass only the rows whose target counts: the cost is proportional to the rows given. With no row the result is an
     exact zero that still depends on the head's parameters and ``hidden`` (every parameter gets a gradient).
@@ -170,9 +178,13 @@ def fused_cross_entropy_sum(
     linear = _plain_linear(head, module, hidden, params)
     if linear and transform.softcap is None and label_smoothing == 0.0:  # the softmax written by hand, wider tiles
         step = tile_rows or rows_per_tile(rows, int(hidden.shape[-1]), vocab)
-        total, grads = _linear_tiles(hidden.detach(), targets, module, transform.scale, ignore_index, step,
-                                     wants_hidden)  # fmt: skip
-        return _ScaledGradients.apply(total, grads, hidden, *params)
+        rows_in, scale = hidden.detach(), transform.scale
+        written = None
+        if into_grad and module.weight.requires_grad:
+            written = into_grad_begin(module.weight, wrapper, module, lambda: _linear_tiles(
+                rows_in, targets, module, scale, ignore_index, step, False)[1][1])  # fmt: skip
+        total, grads = _linear_tiles(rows_in, targets, module, scale, ignore_index, step, wants_hidden, written)
+        return _ScaledGradients.apply(total, grads, (written, module.weight), hidden, *params)
     grad_hidden = torch.zeros_like(hidden) if wants_hidden else None
     grad_params: list[torch.Tensor | None] = [None] * len(params)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -195,7 +207,7 @@ def fused_cross_entropy_sum(
             del grads
         total += loss.detach()
         del loss
-    return _ScaledGradients.apply(total, (grad_hidden, *grad_params), hidden, *params)
+    return _ScaledGradients.apply(total, (grad_hidden, *grad_params), (None, None), hidden, *params)
 
 
 def _is_linear(head: Callable, module: Any) -> bool:
@@ -257,6 +269,7 @@ def _linear_tiles(
     ignore: int,
     step: int,
     wants_hidden: bool,
+    into: Written | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
     """Every tile of ``step`` rows through a plain linear head, the softmax written by hand: the cross-entropy SUM of
     ``head(hidden) * scale`` (scaled in the weight's dtype, then float32, as the models and their loss do), and the
@@ -268,10 +281,11 @@ def _linear_tiles(
     gradient of the tile's logits, which two matmuls turn into the hidden rows' gradient (written in place) and the
     weight's (added into one buffer). A row whose target is ``ignore`` gets a zero gradient and no loss. No tensor of
     the tile's size is allocated per tile: a fresh one costs its page faults again, a tenth of the tile's time at
-    151,936 tokens."""
+    151,936 tokens. With ``into``, the weight's gradient is added into ``into.grad`` (times ``into.alpha``) instead,
+    and its slot in the result is None."""
     weight = module.weight.detach()
     bias = None if module.bias is None else module.bias.detach()
-    wants_weight = module.weight.requires_grad
+    wants_weight = module.weight.requires_grad and into is None
     wants_bias = bias is not None and module.bias.requires_grad
     rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
     low = weight.dtype != torch.float32
@@ -310,7 +324,9 @@ def _linear_tiles(
             if low:
                 r.copy_(z)
             torch.mm(r, weight, out=grad_hidden[start : start + n])
-        if wants_weight:  # summed over the tiles in float32, also for a 16-bit weight
+        if into is not None:  # straight into the existing float32 .grad: no [vocabulary x hidden] temporary
+            into.grad.addmm_(z.t(), part, alpha=into.alpha)
+        elif wants_weight:  # summed over the tiles in float32, also for a 16-bit weight
             part32 = part.float()
             if grad_weight is None:
                 grad_weight = torch.mm(z.t(), part32)
@@ -318,7 +334,10 @@ def _linear_tiles(
                 grad_weight.addmm_(z.t(), part32)
         if grad_bias is not None:
             grad_bias += z.sum(dim=0)
-    grads = (grad_hidden,) + ((grad_weight,) if wants_weight else ()) + ((grad_bias,) if wants_bias else ())
+    if into is not None:
+        into.done_writing()
+    weight_slot = (grad_weight,) if wants_weight or into is not None else ()
+    grads = (grad_hidden,) + weight_slot + ((grad_bias,) if wants_bias else ())
     return total, grads
 
 
@@ -335,12 +354,15 @@ class _ScaledGradients(torch.autograd.Function):
     tile in the forward pass: the backward pass hands them on, times the incoming gradient (a scalar)."""
 
     @staticmethod
-    def forward(ctx: Any, total: torch.Tensor, grads: tuple, *inputs: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
+    def forward(ctx: Any, total: torch.Tensor, grads: tuple, into: tuple, *inputs: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
         # Kept on ctx, not saved for backward: neither inputs nor outputs, and the backward pass drops them at once
         # (also under retain_graph), so the gradient it returns is the only reference and autograd can adopt it as
         # `.grad` without a copy.
         ctx.grads = list(grads)
         ctx.dtypes = [t.dtype for t in inputs]
+        # (a Written of fused_into_grad or None, the linear head's weight or None): the weight's slot is settled there
+        ctx.into = into
+        ctx.weight_slot = next((i for i, t in enumerate(inputs) if t is into[1]), None)
         return total.detach().clone()
 
     @staticmethod
@@ -356,9 +378,17 @@ class _ScaledGradients(torch.autograd.Function):
             )
         # scaled in place, so no second [vocabulary x hidden] tensor exists; the scalar stays float32 (not rounded
         # to a 16-bit gradient's dtype): each element is rounded once
+        written, weight = ctx.into
+        ctx.into = (None, None)
+        if written is None and weight is not None:
+            into_grad_observe(weight, grad)  # the next micro-batch's guess of the factor
         if grad.device.type == "cpu" and bool(grad == 1):  # the plain sum: no pass over the weight's gradient
-            return (None, None, *[None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)])
-        return (None, None, *[None if g is None else g.mul_(grad).to(dtype) for g, dtype in zip(grads, ctx.dtypes)])
+            result = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
+        else:
+            result = [None if g is None else g.mul_(grad).to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
+        if written is not None:  # its gradient is in .grad already, or corrected and handed on here
+            result[ctx.weight_slot] = written.settle(grad)
+        return (None, None, None, *result)
 
 
 # ---------------------------------------------------------------------------------------------- the causal LM
@@ -494,7 +524,7 @@ class _Capture:
         smoothing: float = 0.0,
     ):
         self.head, self.forward, self.targets, self.transform, self.ignore = head, forward, targets, transform, ignore
-        self.smoothing = smoothing
+        self.smoothing, self.wrapper = smoothing, None  # wrapper: the model as called (DDP...), for into_grad
         self.sum_loss: torch.Tensor | None = None
         self.box = _GradientBox()
         self.rows = 0
@@ -516,6 +546,7 @@ class _Capture:
             transform=self.transform,
             ignore_index=self.ignore,
             label_smoothing=self.smoothing,
+            wrapper=self.wrapper,
         )
         if self.sum_loss.requires_grad:
             placeholder = _ThroughLogits.apply(self.sum_loss, hidden.detach(), self.box)
@@ -548,6 +579,7 @@ def fused_causal_lm_sum(
     missing = object()
     before = head.__dict__.get("forward", missing)
     capture = _Capture(head, head.forward, targets, LogitTransform.of(base), ignore_index, label_smoothing)
+    capture.wrapper = model
     head.forward = capture  # type: ignore[method-assign]
     try:
         outputs = model(**inputs)

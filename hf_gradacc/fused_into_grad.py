@@ -1,0 +1,194 @@
+"""The fused LM head's weight gradient added straight into the weight's existing float32 ``.grad`` (the micro-batches
+of gradient accumulation after the first), instead of into a ``[vocabulary x hidden]`` buffer that autograd then adds
+into ``.grad``: no weight-gradient temporary at all (:mod:`hf_gradacc.fused_head` calls this module).
+
+The tiles compute the weight's gradient ``G`` in the FORWARD pass, while the factor the backward pass multiplies it by
+(the loss's incoming gradient ``s``: the global denominator, the data-parallel size) is known only in the backward
+pass. So the forward pass adds ``e * G`` with ``e`` the factor this weight's previous fused backward pass received (1
+before any: the plain sum), and the backward pass settles it:
+
+- ``s == e`` (every micro-batch of a window after the first: one denominator per window) and the write is still
+  allowed: nothing to do; the weight gets no gradient from autograd (``None``).
+- otherwise (another factor; a DDP backward that synchronises after all, as ``trigger_sync_in_backward`` makes it;
+  a hook registered since): ``G`` is computed again from the saved rows (two of the three matmuls) and the update
+  corrected: ``.grad += (s - e) * G``, or ``.grad -= e * G`` and ``s * G`` returned through autograd. Exact either way;
+  the second way costs time, never correctness.
+
+Where the write is allowed (:func:`into_grad_refusal`, checked in the forward AND the backward pass, from facts every
+rank sees alike; neither way runs a collective): a float32 weight on CPU whose ``.grad`` exists and is a plain,
+contiguous float32 tensor of its shape; no hook on the weight (``register_hook``, post-accumulate-grad hooks); one
+process, or DDP inside ``no_sync`` (its reducer needs the AccumulateGrad hook on the synchronising pass). Refused under
+DeepSpeed, FSDP (any version), DTensor parameters (tensor parallel), several processes without DDP, 16-bit or
+non-contiguous gradients, and on accelerators (untested there; reading the factor would be a host sync). A weight
+tied to the input embedding is fine: the embedding's gradient still reaches ``.grad`` through AccumulateGrad, which
+adds it in place.
+
+A fused loss computed with gradient whose backward pass never runs would leave ``e * G`` in ``.grad``: the next fused
+forward pass on that weight raises :class:`~hf_gradacc.GradAccUsageError` (unless ``.grad`` was reset or zeroed in
+between, as a retried window does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .errors import GradAccUsageError
+
+# the factor each weight's last fused backward pass received: the next forward pass's guess
+_LAST_SCALE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# weights whose in-place write was never settled by a backward pass (the value: a description for the error)
+_ABANDONED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@dataclass(slots=True)
+class IntoGradStats:
+    """How often the in-place write was taken (``written``), settled without work (``exact``), corrected in the
+    backward pass (``corrected``), or refused in the forward pass (``refused``, by reason). For tests and benchmarks."""
+
+    written: int = 0
+    exact: int = 0
+    corrected: int = 0
+    refused: dict[str, int] | None = None
+
+    def refuse(self, reason: str) -> None:
+        self.refused = self.refused or {}
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+
+STATS = IntoGradStats()
+
+
+def _chain(model: Any) -> list[Any]:
+    """``model`` and what it wraps (``.module``: DDP, DeepSpeed's engine, accelerate's wrappers; PEFT's base)."""
+    seen = []
+    while isinstance(model, nn.Module) and all(model is not m for m in seen):
+        seen.append(model)
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            base = getattr(model, "base_model", None)
+            inner = getattr(base, "model", None) if base is not None and base is not model else None
+        model = inner
+    return seen
+
+
+def _is_sharded_wrapper(module: Any) -> str | None:
+    names = {cls.__name__ for cls in type(module).__mro__}
+    if "DeepSpeedEngine" in names:
+        return "DeepSpeed"
+    if names & {"FSDPModule", "FullyShardedDataParallel"}:
+        return "FSDP"
+    return None
+
+
+def into_grad_refusal(weight: torch.Tensor, wrapper: Any, head: Any = None) -> str | None:
+    """Why the fused head may NOT add its weight gradient straight into ``weight.grad`` now, or None when it may.
+    ``wrapper``: the model as the training step called it (DDP, DeepSpeed's engine, ...; None: no wrapper known, then
+    only a process without ``torch.distributed``); ``head``: the output layer module."""
+    grad = weight.grad
+    if grad is None:
+        return "no .grad yet"
+    if weight.device.type != "cpu":
+        return "not on CPU"
+    if weight.dtype != torch.float32 or grad.dtype != torch.float32:
+        return "not float32"
+    if type(grad) is not torch.Tensor or type(weight) not in (nn.Parameter, torch.Tensor):
+        return "a tensor subclass (DTensor)"
+    if grad.layout != torch.strided or not grad.is_contiguous() or grad.shape != weight.shape:
+        return "a non-contiguous .grad"
+    if weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None):
+        return "a hook on the weight"
+    if any(hasattr(weight, attr) for attr in ("ds_id", "ds_tensor", "_fsdp_flattened")):
+        return "a sharded weight"
+    dist = torch.distributed
+    initialized = dist.is_available() and dist.is_initialized()
+    modules = _chain(wrapper) + ([head] if isinstance(head, nn.Module) else [])
+    for module in modules:
+        sharded = _is_sharded_wrapper(module)
+        if sharded:
+            return sharded
+    if not initialized:
+        return None
+    if wrapper is None:
+        return "torch.distributed without a known wrapper"
+    ddp = next((m for m in modules if isinstance(m, nn.parallel.DistributedDataParallel)), None)
+    if ddp is None:
+        return None if dist.get_world_size() == 1 else "several processes without DDP"
+    if getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "_delay_all_reduce_all_params", False):
+        return "DDP's python reducer"
+    if ddp.require_backward_grad_sync:
+        return "the synchronising DDP backward"
+    return None
+
+
+class Written:
+    """One in-place write: ``alpha * G`` added into ``grad`` (``weight.grad`` then) in the forward pass; ``recompute``
+    gives ``G`` again (float32) for a correction."""
+
+    __slots__ = ("weight", "grad", "alpha", "wrapper", "head", "recompute", "version", "settled", "__weakref__")
+
+    def __init__(self, weight: torch.Tensor, alpha: float, wrapper: Any, head: Any,
+                 recompute: Callable[[], torch.Tensor]) -> None:  # fmt: skip
+        self.weight, self.grad, self.alpha, self.wrapper, self.head = weight, weight.grad, alpha, wrapper, head
+        self.recompute, self.version, self.settled = recompute, -1, False
+
+    def done_writing(self) -> None:
+        self.version = self.grad._version
+        STATS.written += 1
+
+    def settle(self, incoming: torch.Tensor) -> torch.Tensor | None:
+        """In the backward pass, with the loss's incoming gradient: None when ``.grad`` already holds the update;
+        else the correction is made and the gradient autograd must still deliver is returned."""
+        self.settled = True
+        scale = float(incoming)
+        _LAST_SCALE[self.weight] = scale
+        same_grad = self.weight.grad is self.grad
+        allowed = same_grad and into_grad_refusal(self.weight, self.wrapper, self.head) is None
+        if allowed and scale == self.alpha:
+            STATS.exact += 1
+            return None
+        STATS.corrected += 1
+        again = self.recompute()
+        if allowed:
+            self.grad.add_(again, alpha=scale - self.alpha)
+            return None
+        if same_grad:  # take the write back; autograd delivers the gradient (DDP's reducer sees it)
+            self.grad.sub_(again, alpha=self.alpha)
+        return again.mul_(scale)
+
+    def __del__(self) -> None:
+        if (
+            not self.settled
+            and self.version >= 0
+            and self.weight.grad is self.grad
+            and self.grad._version == self.version
+        ):
+            _ABANDONED[self.weight] = True
+
+
+def begin(weight: torch.Tensor, wrapper: Any, head: Any, recompute: Callable[[], torch.Tensor]) -> Written | None:
+    """In the forward pass: a :class:`Written` when the weight gradient may go straight into ``weight.grad`` (the
+    caller then adds ``written.alpha * G`` into ``written.grad`` and calls ``done_writing``), else None."""
+    if _ABANDONED.pop(weight, None):
+        raise GradAccUsageError(
+            "fused_lm_head: a fused LM-head loss was computed with gradient and never back-propagated, after its weight "
+            "gradient had been added into the head's `.grad` (done in the forward pass for the micro-batches after the "
+            "first). Back-propagate every fused loss computed with gradient, compute it under `torch.no_grad()`, or "
+            "zero the gradients (`model.zero_grad()`) before going on."
+        )
+    reason = into_grad_refusal(weight, wrapper, head)
+    if reason is not None:
+        STATS.refuse(reason)
+        return None
+    return Written(weight, _LAST_SCALE.get(weight, 1.0), wrapper, head, recompute)
+
+
+def observe(weight: torch.Tensor, incoming: torch.Tensor) -> None:
+    """Remember the factor a fused backward pass of ``weight`` received (CPU only: no host sync elsewhere)."""
+    if incoming.device.type == "cpu":
+        _LAST_SCALE[weight] = float(incoming)

@@ -1,0 +1,147 @@
+"""The fused head's weight gradient added straight into the existing float32 ``.grad`` (hf_gradacc/fused_into_grad.py):
+exact against the float64 full batch with gradient accumulation (so ``.grad`` exists from the second micro-batch on),
+the in-place path actually taken there, autograd's return kept under a hook on the weight; a factor other than the one
+guessed, and a DDP backward that synchronises after a ``no_sync`` forward, are corrected; a fused loss never
+back-propagated after its write is refused at the next forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers as tf
+
+from hf_gradacc import GradAccConfig, GradAccTrainer, GradAccUsageError
+from hf_gradacc import fused_into_grad as into_grad
+from hf_gradacc.fused_head import fused_cross_entropy_sum
+from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
+from hf_gradacc.testing.tiny import VOCAB_SIZE, build_tiny_model, make_samples
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def fresh_stats():
+    into_grad.STATS = into_grad.IntoGradStats()
+    yield
+
+
+def _tied() -> torch.nn.Module:
+    config = tf.LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                            tie_word_embeddings=True)  # fmt: skip
+    return tf.LlamaForCausalLM(config)
+
+
+class _HookOnHead(tf.TrainerCallback):
+    """A hook of someone else's on the trained model's head weight: it must see every micro-batch's gradient."""
+
+    def __init__(self) -> None:
+        self.calls: list[torch.Size] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        model.get_output_embeddings().weight.register_hook(lambda g: self.calls.append(g.shape))
+
+
+def _train(model: torch.nn.Module, hook: bool = False) -> tuple[float, list]:
+    samples = make_samples("causal_lm", 8, seed=5, min_length=2, max_length=40, ignore_fraction=0.7)  # masked prompts
+    callback = _HookOnHead()
+    args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=4, args_class=GradAccConfig,
+                         fused_lm_head=True)  # fmt: skip
+    kwargs = {"callbacks": [callback]} if hook else {}
+    update, _ = one_step_update(GradAccTrainer, model, samples, args, trainer_kwargs=kwargs)
+    comparison = compare_with_reference(update, model, samples, "causal_lm")
+    return comparison.relative_error, callback.calls
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied"])
+def test_gradient_accumulation_is_exact_with_the_write_into_grad(name):
+    torch.manual_seed(0)
+    model = build_tiny_model("causal_lm") if name == "llama" else _tied()
+    error, _ = _train(model)
+    assert error <= TOLERANCE, error
+    # GA 4: micro-batch 1 makes .grad (autograd), 2..4 add into it; one denominator per window: no correction
+    assert into_grad.STATS.written == 3 and into_grad.STATS.exact == 3 and into_grad.STATS.corrected == 0, (
+        into_grad.STATS
+    )
+    assert into_grad.STATS.refused == {"no .grad yet": 1}, into_grad.STATS
+
+
+def test_a_hook_on_the_weight_keeps_autograds_return():
+    torch.manual_seed(0)
+    model = build_tiny_model("causal_lm")
+    error, calls = _train(model, hook=True)
+    assert error <= TOLERANCE, error
+    assert into_grad.STATS.written == 0 and into_grad.STATS.refused.get("a hook on the weight") == 3, into_grad.STATS
+    assert len(calls) == 4  # the hook saw every micro-batch's gradient of the weight
+
+
+def _head_case(seed: int = 0, rows: int = 40, hidden: int = 16, vocab: int = 300):
+    g = torch.Generator().manual_seed(seed)
+    hidden_rows = torch.randn(rows, hidden, generator=g, dtype=torch.float64).float()
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    targets[::3] = -100
+    return hidden_rows, targets
+
+
+def _accumulate(head: torch.nn.Linear, factors: list[float], into: bool, wrapper=None, sync_at=None) -> torch.Tensor:
+    head.weight.grad = None
+    for i, factor in enumerate(factors):
+        hidden_rows, targets = _head_case(seed=i)
+        loss = fused_cross_entropy_sum(hidden_rows, head.forward, targets, tile_rows=16, into_grad=into,
+                                       wrapper=wrapper) * factor  # fmt: skip
+        if sync_at == i:  # a forward under no_sync whose backward synchronises (accelerate's trigger_sync_in_backward)
+            wrapper.require_backward_grad_sync = True
+            wrapper.reducer.prepare_for_backward([])
+        loss.backward()
+        if wrapper is not None:
+            wrapper.require_backward_grad_sync = False
+    return head.weight.grad.clone()
+
+
+def test_a_factor_other_than_the_guess_is_corrected():
+    """Each micro-batch with its own factor (the guess is the previous one's): corrected, as autograd's sum."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False)
+    factors = [0.25, 0.5, 0.5, 3.0]
+    expected = _accumulate(head, factors, into=False)
+    got = _accumulate(head, factors, into=True)
+    assert float((got - expected).norm() / expected.norm()) <= 1e-6
+    assert into_grad.STATS.written == 3 and into_grad.STATS.corrected == 2 and into_grad.STATS.exact == 1
+
+
+def test_a_fused_loss_never_back_propagated_after_its_write_is_refused():
+    head = torch.nn.Linear(16, 300, bias=False)
+    hidden_rows, targets = _head_case()
+    fused_cross_entropy_sum(hidden_rows, head.forward, targets).backward()
+    loss = fused_cross_entropy_sum(hidden_rows, head.forward, targets)  # written into .grad, then dropped
+    assert into_grad.STATS.written == 1
+    del loss
+    with pytest.raises(GradAccUsageError, match="never back-propagated"):
+        fused_cross_entropy_sum(hidden_rows, head.forward, targets)
+    head.zero_grad()  # the contribution is gone with the gradient: going on is fine
+    fused_cross_entropy_sum(hidden_rows, head.forward, targets).backward()
+
+
+def test_ddp_writes_only_inside_no_sync_and_corrects_a_synchronising_backward(tmp_path):
+    """DDP (one gloo rank): the micro-batches inside ``no_sync`` write into .grad; the synchronising one, and a
+    ``no_sync`` forward whose backward synchronises after all, hand the gradient to autograd (DDP's reducer needs its
+    AccumulateGrad hook: without it the next synchronised forward fails)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        head = torch.nn.Linear(16, 300, bias=False)
+        factors = [0.5, 0.5, 0.5, 0.5]
+        expected = _accumulate(head, factors, into=False)
+        ddp = torch.nn.parallel.DistributedDataParallel(head)
+        with ddp.no_sync():
+            got = _accumulate(head, factors, into=True, wrapper=ddp, sync_at=3)
+        assert float((got - expected).norm() / expected.norm()) <= 1e-6
+        assert into_grad.STATS.written == 3 and into_grad.STATS.corrected == 1, into_grad.STATS
+        hidden_rows, targets = _head_case()
+        # synchronising: refused in the forward pass; the reducer got every gradient so far (no error here)
+        fused_cross_entropy_sum(hidden_rows, head.forward, targets, wrapper=ddp).backward()
+        assert into_grad.STATS.refused.get("the synchronising DDP backward") == 1, into_grad.STATS
+        ddp(hidden_rows).sum().backward()  # a synchronised forward after a synchronised backward: the reducer is done
+    finally:
+        dist.destroy_process_group()
