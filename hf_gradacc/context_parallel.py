@@ -19,6 +19,9 @@ What this module adds, and the trainer asks for:
 - :meth:`ContextParallel.training_step`: the micro-batch right-padded to a multiple of ``2 x cp_size`` (a padded
   position has an ignored target and, under causal attention, is seen by no real token), then the Trainer's entry,
   then the trainer's ``training_step`` inside the context: forward AND backward, as the stock Trainer runs them.
+- :meth:`ContextParallel.prediction_step` / :meth:`ContextParallel.batch_mean`: evaluation on the shards, the
+  batch checked and padded as in training (the check agreed over every rank before any forward), each batch's loss
+  summed and counted over the ``cp`` group: ``eval_loss`` is the unsharded run's.
 - :func:`context_parallel_for`: the combinations refused by name at construction (see its docstring).
 
 torch 2.13 cannot shard attention on CPU (``aten._scaled_dot_product_flash_attention_for_cpu`` has no sharding
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
+from .builtin_loss import batch_mean_loss
 from .counting import LABEL_KEY, PACKED_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, context_parallel_shard
 from .errors import GradAccCompatibilityError, GradAccConfigError, GradAccDataError
 from .loss import IGNORE_INDEX
@@ -65,6 +69,8 @@ class ContextParallel:
         size: ``cp_size`` (1: none).
         rank: this rank's index in the ``cp`` mesh dimension.
         ignore_index: the target that is not counted (a padded position's).
+        group_ranks: the global ranks of this rank's ``cp`` group, in ``cp`` order (by default ``0 .. size - 1``:
+            the world is one ``cp`` group); their rows of a collective over every rank are summed in evaluation.
 
     Example:
         ```python
@@ -74,10 +80,13 @@ class ContextParallel:
         ```
     """
 
-    def __init__(self, *, size: int, rank: int, ignore_index: int = IGNORE_INDEX) -> None:
+    def __init__(
+        self, *, size: int, rank: int, ignore_index: int = IGNORE_INDEX, group_ranks: tuple[int, ...] | None = None
+    ) -> None:
         if size < 1 or not 0 <= rank < size:
             raise GradAccConfigError(f"context-parallel rank {rank} of `cp_size` {size}: expected 0 <= rank < size")
         self.size, self.rank, self.ignore_index = size, rank, ignore_index
+        self.group_ranks = tuple(range(size)) if group_ranks is None else tuple(group_ranks)
         self._inside = False  # True while the trainer's training_step runs inside the context
 
     @property
@@ -138,6 +147,78 @@ class ContextParallel:
                 return trainer.training_step(model, inputs, num_items_in_batch)
         finally:
             self._inside = False
+
+    # ------------------------------------------------------------------ evaluation
+    def prediction_step(
+        self, trainer: GradAccMixin, step: Any, model: torch.nn.Module, inputs: dict[str, Any],
+        prediction_loss_only: bool, ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, Any, Any]:  # fmt: skip
+        """`Trainer.prediction_step` (``step``, which enters the Trainer's context-parallel entry itself) on an
+        evaluation batch. Under context parallelism the batch is first checked and padded as in training, the check
+        agreed over every rank in one collective (a rank whose batch torch cannot shard stops every rank before any
+        forward, so none waits in the model's collectives), and the trainer's ``compute_loss`` returns the batch's
+        mean over its whole sequences (:meth:`batch_mean`). The logits and labels would be this rank's chunks of
+        each sequence: ``prediction_loss_only=False`` (``compute_metrics``, ``predict``) is refused by name."""
+        if self.size == 1:
+            return step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if not prediction_loss_only:
+            raise GradAccConfigError(
+                f"Evaluation with logits under context parallelism (`cp_size` {self.size}): each rank holds its chunks "
+                "of every sequence, so `compute_metrics` and `predict` would see a shard's logits against whole-width "
+                "labels. `eval_loss` alone is exact here: set `compute_metrics=None` (or `prediction_loss_only=True`), "
+                "or evaluate with `cp_size: 1`."
+            )
+        return step(model, self.agreed_pad(trainer, trainer._prepare_inputs(inputs)), True, ignore_keys=ignore_keys)
+
+    def agreed_pad(self, trainer: GradAccMixin, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """:meth:`pad` (with :func:`check_micro_batch`), its verdict agreed over every rank (one collective): a
+        rank's refused batch raises on that rank, and on every other one a :class:`~hf_gradacc.GradAccDataError`
+        naming it, instead of a wait in the next collective."""
+        error: GradAccDataError | None = None
+        padded: dict[str, Any] = {}
+        try:
+            padded = self.pad(batch)
+        except GradAccDataError as exc:  # agreed below: every rank stops
+            error = exc
+        flags = trainer.backend.all_gather(torch.tensor([int(error is not None)], device=trainer.args.device))
+        failed = [int(r) for r in flags.reshape(-1).nonzero().flatten()]
+        if error is not None:
+            raise error
+        if failed:
+            raise GradAccDataError(
+                f"Rank(s) {failed} could not shard their evaluation batch for context parallelism (see the error on "
+                "those ranks); every rank stops here rather than wait for them."
+            )
+        return padded
+
+    def batch_mean(
+        self, trainer: GradAccMixin, terms: dict[str, Any], counts: MicroBatchCounts, denominator: str
+    ) -> torch.Tensor:
+        """One evaluation batch's mean loss (``compute_loss`` outside training). Without context parallelism
+        :func:`~hf_gradacc.builtin_loss.batch_mean_loss` of the batch; with it, each term's sum and the counted
+        targets of this rank's chunks are added up over its ``cp`` group first (one collective over every rank,
+        this group's rows summed), so every ``cp`` rank returns the mean over the batch's whole sequences, as the
+        unsharded evaluation does: NaN only when the whole batch counts nothing, never for a shard without a
+        target. The ``cp`` ranks hold the same rows: the samples are not added up."""
+        if self.size == 1:
+            return batch_mean_loss(terms, counts, denominator)
+        names = list(terms)
+        device = terms[names[0]].total.device
+        local = torch.stack([*(terms[n].total.detach().reshape(()).to(torch.float64) for n in names),
+                             torch.tensor(float(counts.num_tokens), dtype=torch.float64, device=device)])  # fmt: skip
+        rows = trainer.backend.all_gather(local).reshape(-1, local.numel())
+        summed = rows[list(self.group_ranks)].sum(0).to(device)
+        whole = {n: replace(terms[n], total=summed[i].to(terms[n].total.dtype)) for i, n in enumerate(names)}
+        return batch_mean_loss(whole, replace(counts, num_tokens=int(round(float(summed[-1])))), denominator)
+
+    def custom_batch_mean(self, trainer: GradAccMixin, parsed: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+        """An overridden ``compute_loss``'s LossTerms (``parsed``, a :class:`~hf_gradacc.loss.LossOutput`) as one
+        evaluation batch's mean: over ``batch``'s counts; under context parallelism over the counts of this rank's
+        chunks, then summed over the ``cp`` group (:meth:`batch_mean`)."""
+        if self.size == 1:
+            return parsed.batch_mean(trainer.head.count(batch))
+        counts = trainer.head.count(self.count_view(batch))
+        return self.batch_mean(trainer, parsed.terms, counts, trainer.primary_denominator)
 
 
 def check_micro_batch(batch: Mapping[str, Any]) -> None:
@@ -256,8 +337,12 @@ def context_parallel_for(trainer: GradAccMixin, *, size: int | None = None, rank
         logger.warning_once(
             "Context parallelism with an overridden `compute_loss` / `compute_loss_func`: it runs on this rank's "
             "chunks of each sequence. Take the targets from `inputs['shift_labels']` (made from the whole sequence), "
-            "never shift `labels` yourself (a chunk's last target lives on another rank)."
+            "never shift `labels` yourself (a chunk's last target lives on another rank). In evaluation a LossTerm it "
+            "returns is summed over the cp ranks (exact `eval_loss`); a plain tensor is each rank's chunk mean, "
+            "averaged over the ranks: not the batch's mean."
         )
+    group_ranks = None
     if rank is None:
-        rank = int(trainer.accelerator.torch_device_mesh["cp"].get_local_rank())
-    return ContextParallel(size=size, rank=rank, ignore_index=head.ignore_index)
+        cp_mesh = trainer.accelerator.torch_device_mesh["cp"]
+        rank, group_ranks = int(cp_mesh.get_local_rank()), tuple(int(r) for r in cp_mesh.mesh.flatten().tolist())
+    return ContextParallel(size=size, rank=rank, ignore_index=head.ignore_index, group_ranks=group_ranks)

@@ -30,7 +30,7 @@ from . import context_parallel, fused_choice, patches
 from .auxiliary import returns_router_loss, split_model_loss
 from .backends import Backend, resolve_backend
 from .backends.fsdp2 import warn_if_no_full_model
-from .builtin_loss import MAIN_TERM, batch_mean_loss, builtin_loss, model_mean_loss
+from .builtin_loss import MAIN_TERM, builtin_loss, model_mean_loss
 from .callbacks.base import GradAccCallback
 from .callbacks.batchnorm import batchnorm_callback_for
 from .checkpoints import DataPosition, ResumePoint, checkpoint_save, prefix_blocker, resolve_resume
@@ -532,7 +532,7 @@ class GradAccMixin:
         )
         result: Any = terms if len(terms) > 1 else terms[MAIN_TERM]  # a LossTerm, as in 0.1, unless router terms
         if not training:  # evaluation / prediction: the batch mean
-            result = batch_mean_loss(terms, self.head.count(inputs), self.primary_denominator)
+            result = self._cp.batch_mean(self, terms, self.head.count(inputs), self.primary_denominator)  # cp: agreed
         return (result, outputs) if return_outputs else result
 
     def _compute_loss_with_func(
@@ -609,8 +609,8 @@ class GradAccMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """`Trainer.prediction_step`, with a LossTerm from an overridden ``compute_loss`` read as its batch mean."""
-        if not self._custom_compute_loss:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if not self._custom_compute_loss:  # context parallelism: padded, checked (agreed) first
+            return self._cp.prediction_step(self, super().prediction_step, model, inputs, prediction_loss_only, ignore_keys)
         user_compute_loss = self.compute_loss
 
         def mean_compute_loss(*args: Any, **kwargs: Any) -> Any:
@@ -618,12 +618,12 @@ class GradAccMixin:
             parsed = parse_loss_output(out)
             if parsed.plain is not None:
                 return out
-            loss = parsed.batch_mean(self.head.count(inputs))
+            loss = self._cp.custom_batch_mean(self, parsed, inputs)  # cp: this rank's chunks, summed over the cp ranks
             return (loss, *out[1:]) if isinstance(out, tuple) else loss
 
         self.compute_loss = mean_compute_loss  # type: ignore[method-assign]
         try:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+            return self._cp.prediction_step(self, super().prediction_step, model, inputs, prediction_loss_only, ignore_keys)
         finally:
             del self.compute_loss
 

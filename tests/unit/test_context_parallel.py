@@ -26,18 +26,19 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
 from transformers import Trainer, TrainerCallback
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from hf_gradacc import GradAccTrainer
+from hf_gradacc import GradAccTrainer, LossTerm
 from hf_gradacc.backends.sharded_model import check_context_parallel
 from hf_gradacc.context_parallel import ContextParallel, check_micro_batch, context_parallel_for
 from hf_gradacc.counting import count_micro_batch
 from hf_gradacc.errors import GradAccConfigError, GradAccDataError, GradAccLossError, UnsupportedBackendError
 from hf_gradacc.heads import Head
 from hf_gradacc.testing.one_step import one_step_args
-from hf_gradacc.testing.reference import compare, reference_gradients
+from hf_gradacc.testing.reference import compare, float64_copy, full_batch_loss, reference_gradients
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 
 TOLERANCE = 1e-5
 BS, GA = 2, 3
+EVAL_BS = 3
 
 
 # ---------------------------------------------------------------------------------------------- what torch does
@@ -140,37 +141,56 @@ def simulate_rank(trainer, cp: int, rank: int, exchange: Exchange, *, cp_object=
     trainer.backend.__class__ = SimulatedFSDP2
 
 
-def cp_step(model, samples, cp: int, *, cp_class=ContextParallel, **gradacc_args):
-    """One SGD(lr=1) step of GradAccTrainer on ``cp`` simulated ranks; returns the mean update (FSDP2's average) and
-    each rank's recorded counts."""
-    exchange, results, errors = Exchange(cp), [None] * cp, []
-    trainers = []
+def simulated_trainers(
+    model, samples, cp: int, *, cp_class=ContextParallel, collators=None, trainer_class=GradAccTrainer, **gradacc_args
+):
+    """One GradAccTrainer per simulated ``cp`` rank (``collators``: one per rank; the same padding collator by
+    default), with the exchange between them as the count collective."""
+    exchange, trainers = Exchange(cp), []
     for rank in range(cp):
-        args = one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=GA,
+        args = one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=GA, per_device_eval_batch_size=EVAL_BS,
                              train_sampling_strategy="sequential")  # fmt: skip
         counts = _Counts()
-        trainer = GradAccTrainer(model=copy.deepcopy(model), args=args, train_dataset=ListDataset(samples),
-                                 data_collator=PaddingCollator(), callbacks=[counts], gradacc_args=gradacc_args)  # fmt: skip
+        collator = PaddingCollator() if collators is None else collators[rank]
+        trainer = trainer_class(model=copy.deepcopy(model), args=args, train_dataset=ListDataset(samples),
+                                 data_collator=collator, callbacks=[counts], gradacc_args=gradacc_args)  # fmt: skip
         simulate_rank(trainer, cp, rank, exchange, cp_object=cp_class(size=cp, rank=rank))
         trainers.append((trainer, counts))
+    return trainers, exchange
+
+
+def on_every_rank(trainers, exchange, work) -> list:
+    """``work(trainer, counts)`` on every simulated rank, in threads; each rank's result, or each rank's error."""
+    results, errors = [None] * len(trainers), [None] * len(trainers)
 
     def run(rank):
-        trainer, counts = trainers[rank]
         try:
-            initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-            trainer.train()
-            results[rank] = ({n: initial[n] - p.detach() for n, p in trainer.model.named_parameters()}, counts.windows)
-        except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(error)
-            exchange.barrier.abort()
+            results[rank] = work(*trainers[rank])
+        except BaseException as error:  # noqa: BLE001 - handed back to the main thread
+            errors[rank] = error
+            exchange.barrier.abort()  # a rank that raises unagreed leaves the others a broken barrier, not a hang
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(cp)]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(trainers))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    if errors:
-        raise errors[0]
+    return results, errors
+
+
+def cp_step(model, samples, cp: int, *, cp_class=ContextParallel, **gradacc_args):
+    """One SGD(lr=1) step of GradAccTrainer on ``cp`` simulated ranks; returns the mean update (FSDP2's average) and
+    each rank's recorded counts."""
+    trainers, exchange = simulated_trainers(model, samples, cp, cp_class=cp_class, **gradacc_args)
+
+    def train(trainer, counts):
+        initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train()
+        return {n: initial[n] - p.detach() for n, p in trainer.model.named_parameters()}, counts.windows
+
+    results, errors = on_every_rank(trainers, exchange, train)
+    if any(errors):
+        raise next(e for e in errors if e is not None)
     mean = {n: sum(r[0][n] for r in results) / cp for n in results[0][0]}
     return mean, [r[1] for r in results]
 
@@ -308,7 +328,7 @@ def _fake_trainer(**changes):
                     custom_step=False, router=False)  # fmt: skip
     settings.update(changes)
     config = SimpleNamespace(_attn_implementation=settings["attn"], output_router_logits=settings["router"])
-    mesh = {"cp": SimpleNamespace(get_local_rank=lambda: 1)}
+    mesh = {"cp": SimpleNamespace(get_local_rank=lambda: 1, mesh=torch.tensor([4, 5]))}  # cp ranks 4 and 5 of a world
     return SimpleNamespace(
         accelerator=SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=2), torch_device_mesh=mesh),
         _prepare_context_parallel_inputs=None,
@@ -338,7 +358,7 @@ def test_settings_cp_cannot_hold_are_refused_at_construction(change, match):
 
 def test_a_causal_lm_gets_its_rank_in_the_cp_group():
     cp = context_parallel_for(_fake_trainer())
-    assert (cp.size, cp.rank, cp.multiple) == (2, 1, 4)
+    assert (cp.size, cp.rank, cp.multiple, cp.group_ranks) == (2, 1, 4, (4, 5))
 
 
 def test_backend_check_admits_cp_under_fsdp2_only():
@@ -354,3 +374,112 @@ def test_backend_check_admits_cp_under_fsdp2_only():
     ):
         with pytest.raises(UnsupportedBackendError, match=match):
             check_context_parallel(config, distributed_type=dist_type)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+def eval_reference(model, samples) -> float:
+    """``eval_loss`` as the evaluation loop forms it, written out in float64: each batch's mean over its counted
+    targets (hf_gradacc/testing/reference.py's full-batch loss), weighted by the batch's rows."""
+    reference, collate = float64_copy(model), PaddingCollator()
+    batches = [samples[i : i + EVAL_BS] for i in range(0, len(samples), EVAL_BS)]
+    with torch.no_grad():
+        means = [float(full_batch_loss(reference, collate(b), "causal_lm")) for b in batches]
+    return sum(m * len(b) for m, b in zip(means, batches, strict=True)) / len(samples)
+
+
+def peaked_model():
+    """The tiny causal LM with a sharp output layer: per-token losses far apart (an untrained one gives every token
+    about log(vocabulary), where any mean looks right)."""
+    model = build_tiny_model("causal_lm")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    return model
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_cp_eval_loss_is_the_unsharded_eval_loss(cp):
+    """Under cp every rank's ``eval_loss`` is the unsharded run's: each batch's loss summed and counted over the cp
+    ranks' chunks (a shard mean would weigh a shard's few targets like another's many; a shard without a target
+    would be NaN and dropped). Mixed lengths, heavy padding, masked prompts, widths that are no multiple of 2 x cp
+    (padded as in training). (Whole batches only: the simulated ranks are threads sharing accelerate's GradientState,
+    whose end-of-data flag would truncate one rank's gathered losses at another rank's last batch.)"""
+    model = peaked_model()
+    samples = make_samples("causal_lm", 4 * EVAL_BS, seed=7)
+    whole = GradAccTrainer(model=copy.deepcopy(model), args=one_step_args(per_device_train_batch_size=BS,
+                           gradient_accumulation_steps=GA, per_device_eval_batch_size=EVAL_BS),
+                           data_collator=PaddingCollator())  # fmt: skip
+    unsharded = whole.evaluate(ListDataset(samples))["eval_loss"]
+    assert unsharded == pytest.approx(eval_reference(model, samples), rel=1e-5)
+    trainers, exchange = simulated_trainers(model, samples, cp)
+    results, errors = on_every_rank(trainers, exchange, lambda t, _c: t.evaluate(ListDataset(samples))["eval_loss"])
+    assert not any(errors), errors
+    assert results == pytest.approx([unsharded] * cp, rel=1e-6), (results, unsharded)
+
+
+class _TermLoss(GradAccTrainer):
+    """An overridden ``compute_loss`` returning a LossTerm, taking its targets from ``shift_labels`` as cp asks."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels, shift_labels = inputs.pop("labels"), inputs.pop("shift_labels", None)
+        outputs = model(**inputs)
+        term = LossTerm(total=self.sum_loss_from_logits(outputs.logits, labels, shift_labels), normalize_by="tokens")
+        return (term, outputs) if return_outputs else term
+
+
+def test_cp_eval_loss_of_an_overridden_compute_loss_is_the_unsharded_one():
+    model = peaked_model()
+    samples = make_samples("causal_lm", 4 * EVAL_BS, seed=7)
+    trainers, exchange = simulated_trainers(model, samples, 2, trainer_class=_TermLoss)
+    results, errors = on_every_rank(trainers, exchange, lambda t, _c: t.evaluate(ListDataset(samples))["eval_loss"])
+    assert not any(errors), errors
+    assert results == pytest.approx([eval_reference(model, samples)] * 2, rel=1e-5)
+
+
+class _ShardMean(ContextParallel):
+    """Planted bug: each rank's eval loss is its own chunks' mean (what the evaluation loop got before)."""
+
+    def batch_mean(self, trainer, terms, counts, denominator):
+        return ContextParallel(size=1, rank=0).batch_mean(trainer, terms, counts, denominator)
+
+
+def test_cp_eval_loss_fails_with_shard_means():
+    model = peaked_model()
+    samples = make_samples("causal_lm", 4 * EVAL_BS, seed=7)
+    reference = eval_reference(model, samples)
+    trainers, exchange = simulated_trainers(model, samples, 2, cp_class=_ShardMean)
+    results, errors = on_every_rank(trainers, exchange, lambda t, _c: t.evaluate(ListDataset(samples))["eval_loss"])
+    assert not any(errors), errors
+    assert all(abs(r / reference - 1) > 1e-3 for r in results), (results, reference)  # exact: 1e-6
+
+
+def test_cp_eval_with_logits_is_refused_by_name():
+    model = build_tiny_model("causal_lm")
+    samples = make_samples("causal_lm", 4, seed=7)
+    trainers, exchange = simulated_trainers(model, samples, 2)
+    _, errors = on_every_rank(trainers, exchange, lambda t, _c: t.predict(ListDataset(samples)))
+    assert all(isinstance(e, GradAccConfigError) and "compute_metrics" in str(e) for e in errors), errors
+
+
+# ---------------------------------------------------------------------------------------------- agreed refusals
+class LeftPadding(PaddingCollator):
+    """A collator that pads on the left (as a tokenizer with ``padding_side="left"``)."""
+
+    def __call__(self, samples):
+        batch = super().__call__(samples)
+        pads = (batch["attention_mask"] == 0).sum(1).tolist()
+        return {k: torch.stack([row.roll(n) for row, n in zip(v, pads, strict=True)]) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("phase", ["train", "evaluate"])
+def test_a_refused_micro_batch_on_one_rank_stops_every_rank(phase):
+    """Rank 1 alone gets left-padded batches: every rank raises GradAccDataError (rank 1 its own, the others one
+    naming rank 1) from the same collective, before any forward, none waiting in a later collective (that would
+    show here as a broken barrier)."""
+    model = build_tiny_model("causal_lm")
+    samples = make_samples("causal_lm", BS * GA, seed=5)
+    trainers, exchange = simulated_trainers(model, samples, 2, collators=[PaddingCollator(), LeftPadding()])
+    run = (lambda t, _c: t.train()) if phase == "train" else (lambda t, _c: t.evaluate(ListDataset(samples)))
+    _, errors = on_every_rank(trainers, exchange, run)
+    assert isinstance(errors[1], GradAccDataError) and "padding_side" in str(errors[1]), errors
+    assert isinstance(errors[0], GradAccDataError) and "Rank(s) [1]" in str(errors[0]), errors
