@@ -348,9 +348,10 @@ def step_routing(trainer: Any, model: nn.Module, window: Any) -> StepRouting | N
 @dataclass
 class MoeLoadLog:
     """Each optimizer step's expert load on this rank (``[layers, experts + 1]`` counts), summed over ranks at log
-    time (one collective per log line): ``moe/load_max_over_mean`` (the most loaded expert over the mean load, per
-    layer, averaged over layers, then over the steps since the last log line) and ``.../layer_<i>``. Every rank
-    holds the same number of steps (each step is on every rank), so the collective is entered alike."""
+    time: ``moe/load_max_over_mean`` (the most loaded expert over the mean load, per layer, averaged over layers, then
+    over the steps since the last log line) and ``.../layer_<i>``. The sum rides in the log line's one collective with
+    the loss terms (``window.TermLog.pop_means``): no collective of its own. Every rank holds the same number of steps
+    (each step is on every rank), so every rank gathers the same shape."""
 
     shape: RouterShape | None = None  # router_balance="global_batch": the pre-pass's (check_router_balance)
     checked: bool = False
@@ -360,13 +361,18 @@ class MoeLoadLog:
         if routing is not None and routing.local_counts is not None:
             self.steps.append(routing.local_counts)
 
-    def pop(self, all_gather: Any, device: torch.device | str) -> dict[str, float]:
-        if not self.steps or len({tuple(s.shape) for s in self.steps}) != 1:
-            self.steps = []
-            return {}
-        stacked = torch.stack(self.steps).to(device)
-        self.steps = []
-        counts = all_gather(stacked).reshape(-1, *stacked.shape).sum(0).double().cpu()[..., :-1]  # [steps, L, E]
+    def take(self) -> torch.Tensor | None:
+        """This rank's ``[steps, layers, experts + 1]`` counts since the last log line, then reset; None when there
+        are none (or the steps' shapes differ)."""
+        steps, self.steps = self.steps, []
+        if not steps or len({tuple(s.shape) for s in steps}) != 1:
+            return None
+        return torch.stack(steps)
+
+    @staticmethod
+    def logs(counts: torch.Tensor) -> dict[str, float]:
+        """The log keys from :meth:`take`'s counts summed over ranks."""
+        counts = counts.double().cpu()[..., :-1]  # [steps, L, E]
         mean = counts.mean(-1).clamp_min(1e-12)
         ratio = (counts.max(-1).values / mean).mean(0)  # [L], over steps
         logs = {LOAD_KEY: float(ratio.mean())}

@@ -512,13 +512,19 @@ class TermLog:
             self.totals[name] = value if total is None else total + value
 
     def pop_means(self, all_gather: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str) -> dict[str, float]:
-        """``{"loss/<name>": mean per step, averaged over ranks}`` (one collective on several ranks), then reset; with
-        the expert load of a mixture-of-experts model (a second collective)."""
-        moe = self.moe.pop(all_gather, device) if self.moe.steps else {}
-        if not self.totals or self.num_steps == 0:
-            return moe
-        names = sorted(self.totals)
-        stacked = all_gather(torch.stack([self.totals[n] for n in names]).to(device)).mean(dim=0)
-        means = {f"loss/{name}": value / self.num_steps for name, value in zip(names, stacked.tolist())}
+        """``{"loss/<name>": mean per step, averaged over ranks}``, with the expert load of a mixture-of-experts model
+        (summed over ranks), then reset: ONE collective on several ranks (the terms' float64 bits and the load counts
+        in one int64 vector, as the step's count vector carries a weight sum)."""
+        load = self.moe.take()
+        names = sorted(self.totals) if self.num_steps else []
+        parts = [torch.stack([self.totals[n] for n in names]).detach().cpu().double().view(torch.int64)] if names else []
+        parts += [load.reshape(-1).cpu().long()] if load is not None else []
+        if not parts:
+            return {}
+        rows = all_gather(torch.cat(parts).to(device)).cpu()  # [ranks, terms + load]
+        means = rows[:, : len(names)].contiguous().view(torch.float64).mean(dim=0).tolist()
+        logs = {f"loss/{name}": value / self.num_steps for name, value in zip(names, means)}
+        if load is not None:
+            logs.update(self.moe.logs(rows[:, len(names):].sum(dim=0).reshape(load.shape)))
         self.totals, self.num_steps = {}, 0
-        return {**means, **moe}
+        return logs

@@ -291,7 +291,7 @@ class FSDP2Backend(Backend):
 
     def grad_sq_norms(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         import torch.distributed as dist
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor
 
         local: list[torch.Tensor] = []
         group = None
@@ -300,7 +300,9 @@ class FSDP2Backend(Backend):
             grad = param.grad
             if isinstance(grad, DTensor):
                 if group is None:
-                    dims = [i for i, p in enumerate(grad.placements) if isinstance(p, Shard)]
+                    # every placement but Replicate / Partial cuts: Shard, and _StridedShard (FSDP2 over a
+                    # tensor-parallel dimension), which in torch 2.13 is no Shard subclass and has is_shard() False
+                    dims = [i for i, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial())]
                     if dims:
                         group = grad.device_mesh.get_group(dims[0])
                         shard_rank = grad.device_mesh.get_local_rank(dims[0])

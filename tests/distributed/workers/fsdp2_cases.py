@@ -16,7 +16,8 @@ Case keys:
     by hand, see `run_direct_case`), hsdp, two_backward (direct mode), hook (trainer mode: an accumulated-gradient
     hook zeroes ``lm_head.weight`` and ``trainer.grads.norm()`` is read before the step), moe (trainer mode: a tiny
     mixture-of-experts causal LM of that family, whose router term needs every rank's micro-batches for the
-    reference; one sample fewer, so one micro-batch is short).
+    reference; one sample fewer, so one micro-batch is short), budget (trainer mode: every collective of the step
+    and of its log line by who asked, mesh_cases.Budget; not the probe's own gathers), max_grad_norm.
 Every case counts FSDP2's reduce-scatter and all-reduce calls per micro-batch and (trainer mode) gathers the
 accumulated gradient in ``on_pre_optimizer_step``.
 
@@ -27,6 +28,7 @@ accelerate config, not from TrainingArguments, and the CPU patch from ``HF_GRADA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -73,6 +75,7 @@ class ProbeCallback(TrainerCallback):
         self.grads: dict[str, torch.Tensor] = {}
         self.grad_types: set[str] = set()
         self.grads_norm: float | None = None
+        self.budget: Any = None  # a mesh_cases.Budget: the gathers below are the test's, not the step's
         self._last = dict(counter.counts)
 
     def _mark(self) -> None:
@@ -88,8 +91,12 @@ class ProbeCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._mark()  # the last micro-batch's collectives (and the norm's, which FSDP2 does not route through these)
+        with self.budget.paused() if self.budget is not None else contextlib.nullcontext():
+            self._read_grads(kwargs["model"])
+
+    def _read_grads(self, model: torch.nn.Module) -> None:
         # under FSDP the Trainer's `model` is the sharded one (accelerate prepared it in place)
-        for name, param in kwargs["model"].named_parameters():
+        for name, param in model.named_parameters():
             self.grad_types.add(type(param.grad).__name__)
             if param.grad is not None:
                 self.grads[name] = full(param.grad).detach().clone().cpu()
@@ -113,6 +120,8 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
         from accelerate import ParallelismConfig
 
         overrides["parallelism_config"] = ParallelismConfig(**case["parallelism"])
+    if "max_grad_norm" in case:
+        overrides["max_grad_norm"] = case["max_grad_norm"]
     if trainer_kind == "gradacc":
         overrides["fsdp_sync"] = case.get("fsdp_sync", "deferred")
         args_class: type[TrainingArguments] = GradAccConfig
@@ -136,6 +145,12 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
 
     counter = CollectiveCounter()
     probe = ProbeCallback(counter)
+    callbacks: list[TrainerCallback] = [probe]
+    if case.get("budget"):
+        from tests.distributed.workers.mesh_cases import Budget
+
+        probe.budget = Budget()
+        callbacks.append(probe.budget)
     result: dict[str, Any] = {"name": case["name"], "rank": rank}
     records: list[str] = []
 
@@ -151,9 +166,11 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
             args=args,
             train_dataset=ListDataset(samples),
             data_collator=collate,
-            callbacks=[probe],
+            callbacks=callbacks,
         )
         probe.trainer = trainer
+        if probe.budget is not None:
+            probe.budget.trainer = trainer
         if case.get("hook"):
 
             def zero_head(name: str, grad: torch.Tensor) -> None:
@@ -161,7 +178,8 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
                     grad.zero_()
 
             trainer.register_accumulated_grad_hook(zero_head)
-        with counter:
+        # the budget entered last: its wrappers are outermost, so it sees the caller, not the counter's wrapper
+        with counter, probe.budget if probe.budget is not None else contextlib.nullcontext():
             trainer.train()
     except Exception as exc:  # reported to the test, which asserts on it
         if case.get("mode") != "setup_error":
@@ -187,6 +205,8 @@ def run_trainer_case(case: dict[str, Any], rank: int, world: int, launcher: str)
         per_micro_batch=probe.per_micro_batch,
         grads_norm=probe.grads_norm,
     )
+    if probe.budget is not None:
+        result.update(steps=probe.budget.per_step, logs=probe.budget.per_log)
     if rank == 0:
         reference = reference_gradients(model, samples, task, PaddingCollator(),
                                         micro_batches=step_micro_batches if moe else None)  # fmt: skip

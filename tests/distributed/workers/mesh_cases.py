@@ -10,10 +10,12 @@ Cases:
   float64 full batch) plus the mesh (`mesh_from_accelerator`) and the launcher's world (`LaunchedWorld.from_env`).
 - ``construct_only``: a GradAccTrainer is built (its start-up checks run), nothing trained.
 - ``construct_distributed_config``: the same for a model FSDP2-sharded by transformers' ``DistributedConfig``.
-- ``budget_<backend>``: three optimizer steps of the GradAccTrainer and of the stock Trainer (GA 4), every
-  ``torch.distributed`` collective counted per optimizer step (steps 2 and 3: step 1 holds one-off set-up), each
-  attributed to the innermost frame outside torch (``hf_gradacc`` = the library's own), plus DDP's bucket
-  all-reduces (a comm hook: the reducer is C++).
+- ``budget_<backend>[_clipped]``: three optimizer steps of the GradAccTrainer and of the stock Trainer (GA 4; clipping
+  at ``max_grad_norm`` 1.0 with ``_clipped``), every ``torch.distributed`` and functional collective counted per
+  optimizer step and per log line (:class:`Budget`), each attributed to the innermost frame outside torch
+  (``hf_gradacc`` = the library's own; inside a module call: ``model<...``), plus DDP's bucket all-reduces (a comm
+  hook: the reducer is C++). The rules: tests/distributed/collective_budget.py.
+- ``strided_shard_norms``: ``FSDP2Backend.grad_sq_norms`` of a ``_StridedShard``-placed DTensor gradient.
 """
 
 from __future__ import annotations
@@ -49,31 +51,43 @@ FUNCTIONAL = (
     "all_to_all_single_autograd", "broadcast", "permute_tensor",
 )
 _TORCH = os.path.dirname(torch.__file__)
+_MODULE_CALL = (os.path.join(_TORCH, "nn", "modules", "module.py"), ("_call_impl", "_wrapped_call_impl"))
 
 
 def _origin() -> str:
     """The package of the innermost caller outside torch and accelerate's collective helpers (``hf_gradacc``,
-    ``transformers``, ``accelerate``, ...): a gather the library asks accelerate for is the library's."""
+    ``transformers``, ``accelerate``, ...): a gather the library asks accelerate for is the library's. A collective
+    made inside a module call (FSDP2's pre-forward all-gathers, a tensor-parallel layer's hooks) is the model's:
+    ``model<caller``, whoever ran the forward (the library's loss runs the model's forward as the Trainer's does)."""
     frame = sys._getframe(2)
+    in_module = False
     while frame is not None:
         path = frame.f_code.co_filename
+        if path == _MODULE_CALL[0] and frame.f_code.co_name in _MODULE_CALL[1]:
+            in_module = True
         helper = path.replace(os.sep, "/").endswith("accelerate/utils/operations.py") or (
             path.replace(os.sep, "/").endswith("accelerate/accelerator.py") and frame.f_code.co_name == "gather")
         if not path.startswith(_TORCH) and not helper:
-            parts = path.replace(os.sep, "/").split("/")
-            if "hf_gradacc" in parts:  # the library's: name its first frames (which of its steps asked)
-                names = []
-                while frame is not None and len(names) < 3:
-                    if "/hf_gradacc/" in frame.f_code.co_filename.replace(os.sep, "/"):
-                        names.append(frame.f_code.co_name)
-                    frame = frame.f_back
-                return "hf_gradacc:" + "<".join(names)
-            for package in ("transformers", "accelerate", "deepspeed"):
-                if package in parts:
-                    return package
-            return f"other:{os.path.basename(path)}:{frame.f_code.co_name}"
+            return ("model<" if in_module else "") + _caller(frame)
         frame = frame.f_back
     return "torch"
+
+
+def _caller(frame: Any) -> str:
+    """``hf_gradacc:<its innermost 3 function names>``, ``transformers``, ``accelerate``, ``deepspeed`` or
+    ``other:<file>:<function>`` for the frame that asked."""
+    parts = frame.f_code.co_filename.replace(os.sep, "/").split("/")
+    if "hf_gradacc" in parts:  # the library's: name its first frames (which of its steps asked)
+        names = []
+        while frame is not None and len(names) < 3:
+            if "/hf_gradacc/" in frame.f_code.co_filename.replace(os.sep, "/"):
+                names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        return "hf_gradacc:" + "<".join(names)
+    for package in ("transformers", "accelerate", "deepspeed"):
+        if package in parts:
+            return package
+    return f"other:{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
 
 
 def _counting_hook(budget, bucket):  # no annotations: DDP checks them, and they are strings here
@@ -84,12 +98,14 @@ def _counting_hook(budget, bucket):  # no annotations: DDP checks them, and they
 
 
 class Budget(TrainerCallback):
-    """Collectives per optimizer step: ``torch.distributed`` calls by (function, origin) and DDP buckets."""
+    """Collectives per optimizer step (``per_step``) and per log line (``per_log``): ``torch.distributed`` and
+    functional collective calls by (function, origin), and DDP buckets."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
         self.buckets = 0
         self.per_step: list[dict[str, Any]] = []
+        self.per_log: list[dict[str, Any]] = []
         self._originals: dict[tuple[Any, str], Any] = {}
         self.is_paused = False  # while a test's own callback reads gradients (trainer.grads: its collectives)
         self.trainer: Any = None
@@ -138,17 +154,26 @@ class Budget(TrainerCallback):
             wrapped.register_comm_hook(self, _counting_hook)
         self.calls.clear()
 
-    def on_step_end(self, args, state, control, **kwargs):  # once per optimizer step, after it
+    def _take(self) -> dict[str, Any]:
         by = collections.Counter(f"{name}@{origin}" for name, origin in self.calls)
-        self.per_step.append({"calls": dict(by), "ddp_buckets": self.buckets, "total": len(self.calls) + self.buckets,
-                              "library": sum(n for k, n in by.items() if "@hf_gradacc" in k)})
+        taken = {"calls": dict(by), "ddp_buckets": self.buckets, "total": len(self.calls) + self.buckets,
+                 "library": sum(n for k, n in by.items() if "@hf_gradacc" in k)}
         self.calls.clear()
         self.buckets = 0
+        return taken
+
+    def on_step_end(self, args, state, control, **kwargs):  # once per optimizer step, after it
+        self.per_step.append(self._take())
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # the Trainer logs after on_step_end: what a logging step adds (the loss gather, the library's logged terms
+        # and expert load) is counted apart from the step, per log line (``is_train_log``: a line with the loss)
+        self.per_log.append({**self._take(), "step": state.global_step, "is_train_log": "loss" in (logs or {})})
 
 
-def _budget(backend: str, fsdp_sync: str | None = None) -> Callable[[], dict[str, Any]]:
+def _budget(backend: str, fsdp_sync: str | None = None, max_grad_norm: float = 0.0) -> Callable[[], dict[str, Any]]:
     def run() -> dict[str, Any]:
-        overrides: dict[str, Any] = {"max_steps": STEPS, "logging_steps": 1000}
+        overrides: dict[str, Any] = {"max_steps": STEPS, "logging_steps": 1000, "max_grad_norm": max_grad_norm}
         if backend == "fsdp2":
             from hf_gradacc.patches.fsdp_cpu import enable_fsdp_on_cpu
 
@@ -170,7 +195,7 @@ def _budget(backend: str, fsdp_sync: str | None = None) -> Callable[[], dict[str
             budget.trainer = trainer
             with budget:
                 trainer.train()
-            result[kind] = {"steps": budget.per_step, "global_step": trainer.state.global_step,
+            result[kind] = {"steps": budget.per_step, "logs": budget.per_log, "global_step": trainer.state.global_step,
                             "mesh": mesh_from_accelerator(trainer.accelerator, trainer.model).describe()}
         return result
 
@@ -225,10 +250,36 @@ def _construct_distributed_config() -> dict[str, Any]:
     return {"backend": type(trainer.backend).__name__}
 
 
+def _strided_shard_norms() -> dict[str, Any]:
+    """``FSDP2Backend.grad_sq_norms`` of a DTensor gradient placed ``_StridedShard`` (what ``fully_shard`` over a
+    tensor-parallel dimension gives; in torch 2.13 no ``Shard`` subclass) first, then a plain (replicated) gradient:
+    each entry against the full gradient's squared norm, computed on every rank from the same seed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from hf_gradacc.backends.fsdp2 import FSDP2Backend
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world_size(),))
+    generator = torch.Generator().manual_seed(7)
+    fulls = [torch.randn(8, 3, generator=generator), torch.randn(5, generator=generator)]
+    strided = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 3), mesh, [_StridedShard(0, split_factor=2)]))
+    strided.grad = distribute_tensor(fulls[0], mesh, [_StridedShard(0, split_factor=2)])
+    plain = torch.nn.Parameter(torch.zeros(5))
+    plain.grad = fulls[1].clone()
+    squares = FSDP2Backend(accelerator=None, args=None).grad_sq_norms([strided, plain])
+    return {"squares": squares.tolist(), "expected": [float(f.double().pow(2).sum()) for f in fulls],
+            "placements": str(strided.grad.placements), "local_rows": strided.grad.to_local().shape[0]}
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
+    "strided_shard_norms": _strided_shard_norms,
     "construct_only": _construct_only,
     "construct_distributed_config": _construct_distributed_config,
     "budget_ddp": _budget("ddp"),
+    "budget_ddp_clipped": _budget("ddp", max_grad_norm=1.0),
     **{f"budget_fsdp2_{sync}": _budget("fsdp2", sync) for sync in ("deferred", "every_micro_batch")},
     **{f"multinode_{task}": _multinode(task) for task in ("causal_lm", "sequence_classification")},
 }

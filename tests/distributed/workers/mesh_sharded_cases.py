@@ -40,6 +40,7 @@ from tests.distributed.workers._common import finish_worker, rank, world_size, w
 
 PER_DEVICE_BATCH = 2
 GRAD_ACC = 2
+LOAD = "moe/load_max_over_mean"
 MODELS = ("llama", "llama_seq_cls", "mixtral", "qwen3_moe", "mixtral_kv2", "mixtral_seq_cls", "mixtral_kv2_seq_cls")
 
 
@@ -178,9 +179,10 @@ def run_case(case: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
                                      if "experts" in n and hasattr(p, "placements")}),  # fmt: skip
         "logged_grad_norm": next((h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h), None),
         "logged_aux": next((h["loss/aux"] for h in trainer.state.log_history if "loss/aux" in h), None),
+        "logged_load": next((h[LOAD] for h in trainer.state.log_history if LOAD in h), None),
     }
     if budget is not None:
-        result["steps"] = budget.per_step
+        result["steps"], result["logs"] = budget.per_step, budget.per_log
     if trainer_class is GradAccTrainer:
         result["backend"] = trainer.backend.describe()
         result["num_nonfinite_skipped"] = trainer.num_nonfinite_skipped
@@ -206,8 +208,30 @@ def run_case(case: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
             plain.config.router_aux_loss_coef = plain.router_aux_loss_coef = coefficient * factor
             scaled = reference_gradients(plain, samples, task, PaddingCollator(), micro_batches=list(unique.values()))
             result[f"update_vs_router_{label}"] = compare(update, scaled).__dict__
+    if task == "causal_lm" and getattr(plain.config, "output_router_logits", False):
+        result["expected_load"] = expected_load(plain, list(unique.values()))
     result["unchanged"] = [n for n, u in update.items() if float(u.abs().max()) == 0.0]
     return result
+
+
+def expected_load(model: torch.nn.Module, micro_batches: list[list[dict[str, Any]]]) -> float:
+    """``moe/load_max_over_mean`` of the step from the unsharded model on every micro-batch of every data rank: per
+    layer, the top-k assignments of the unpadded tokens to each expert, the most loaded over the mean, averaged over
+    layers (written here from the definition, not with hf_gradacc.moe_balance)."""
+    counts: torch.Tensor | None = None
+    with torch.no_grad():
+        for features in micro_batches:
+            batch = PaddingCollator()(features)
+            outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            output_router_logits=True)  # fmt: skip
+            keep = batch["attention_mask"].reshape(-1).bool()
+            top_k = model.config.num_experts_per_tok
+            chosen = [torch.topk(gate.float()[keep], top_k, dim=-1).indices.reshape(-1) for gate in outputs.router_logits]
+            layers = torch.stack([torch.bincount(c, minlength=gate.shape[-1]) for c, gate in
+                                  zip(chosen, outputs.router_logits, strict=True)]).double()  # fmt: skip
+            counts = layers if counts is None else counts + layers
+    assert counts is not None
+    return float((counts.max(-1).values / counts.mean(-1)).mean())
 
 
 def main() -> None:
