@@ -26,8 +26,9 @@ TOLERANCE = 1e-5
 
 def test_cp_2_on_cpu_ranks_is_the_full_batch_step():
     """GradAccTrainer: each cp rank counts its own chunks' targets (summed over both ranks in the step's one
-    collective), the loss is scaled by the 2 ranks FSDP2 averages over: exact, every parameter moved. A sequence
-    classifier is refused at construction, by name. (The stock Trainer on the same launch, worker argument ``stock``:
+    collective), the loss is scaled by the 2 ranks FSDP2 averages over: exact, every parameter moved. ``eval_loss``
+    on both ranks (after the step) is the float64 one of the unsharded batches. A sequence classifier is refused at construction, by
+    name; left-padded batches on one rank stop both ranks (agreed) in training and in evaluation. (The stock Trainer on the same launch, worker argument ``stock``:
     3.6e-07, exact too for a causal LM: it counts before the cut and divides the gathered count by ``cp_size``.)"""
     result = run_workers(WORKER, nproc=2, method="torchrun", timeout=300)
     ranks = result.load("cp")
@@ -38,3 +39,12 @@ def test_cp_2_on_cpu_ranks_is_the_full_batch_step():
     print("cp 2 x FSDP2 on CPU:", ours["update"])
     refused = ranks[0]["sequence_classification"]
     assert refused["error_type"] == "GradAccConfigError" and "sequence_classification" in refused["error"], refused
+    for r in ranks:  # evaluation: each batch's loss summed and counted over both ranks' chunks
+        ours = r["gradacc"]
+        assert abs(ours["eval_loss"] / ours["eval_reference"] - 1) <= TOLERANCE, ours
+    print("cp 2 eval_loss:", [r["gradacc"]["eval_loss"] for r in ranks], "float64:", ranks[0]["gradacc"]["eval_reference"])
+    for phase in ("evaluate", "train"):  # left padding on rank 1 only: both ranks stop, agreed, none hangs
+        one, other = (r["gradacc"] if phase == "evaluate" else r for r in (ranks[1], ranks[0]))
+        one, other = one[f"refused_{phase}"], other[f"refused_{phase}"]
+        assert one["error_type"] == "GradAccDataError" and "padding_side" in one["error"], (phase, one)
+        assert other["error_type"] == "GradAccDataError" and "Rank(s) [1]" in other["error"], (phase, other)

@@ -1,7 +1,9 @@
 """One rank of tests/distributed/test_context_parallel.py: accelerate ``cp_size`` 2 x FSDP2 on 2 CPU ranks (the
 attention through :mod:`cpu_context_parallel`'s exact all-gather stand-in for torch's ring attention), one SGD(lr=1)
-step of GradAccTrainer (and, with ``stock`` in the arguments, of the stock Trainer) against the float64 full batch;
-then a sequence classifier, refused at construction. Writes ``cp.rank<r>.json``.
+step of GradAccTrainer (and, with ``stock`` in the arguments, of the stock Trainer) against the float64 full batch,
+after an evaluation whose ``eval_loss`` is compared with the float64 one of the unsharded batches; then a sequence
+classifier, refused at construction, and left-padded batches on rank 1 only (its ranks must all stop, agreed, in
+training and in evaluation, none waiting in a collective). Writes ``cp.rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from hf_gradacc import GradAccConfig, GradAccTrainer
 from hf_gradacc.errors import GradAccError
 from hf_gradacc.patches.fsdp_cpu import enable_fsdp_on_cpu
 from hf_gradacc.testing.one_step import full_parameters, one_step_args
-from hf_gradacc.testing.reference import compare, reference_gradients
+from hf_gradacc.testing.reference import compare, float64_copy, full_batch_loss, reference_gradients
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
-from tests.distributed.workers._common import finish_worker, world_size, write_result
+from tests.distributed.workers._common import finish_worker, rank, world_size, write_result
 
-CP, BS, GA = 2, 2, 3
+CP, BS, GA, EVAL_BS = 2, 2, 3, 3
 WRAP = {"sequence_classification": {"transformer_layer_cls_to_wrap": ["BertLayer"]}}  # tied embeddings: per layer
 
 
@@ -33,13 +35,61 @@ def stock_collate(samples):  # the stock Trainer pads nothing itself: to 2 x cp_
     return {"input_ids": F.pad(batch["input_ids"], (0, extra)), "labels": F.pad(batch["labels"], (0, extra), value=-100)}
 
 
+class LeftPaddingOnRankOne(PaddingCollator):
+    """Right padding on rank 0, left padding on rank 1: one rank's data refused, the other's good."""
+
+    def __call__(self, samples):
+        batch = super().__call__(samples)
+        if rank() != 1:
+            return batch
+        pads = (batch["attention_mask"] == 0).sum(1).tolist()
+        return {k: torch.stack([row.roll(n) for row, n in zip(v, pads, strict=True)]) for k, v in batch.items()}
+
+
+def eval_reference(parameters, samples) -> float:
+    """``eval_loss`` of the unsharded batches in float64 (the tiny model with ``parameters``): each batch's token
+    mean, weighted by its rows."""
+    reference = float64_copy(build_tiny_model("causal_lm"))
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.copy_(parameters[name])
+    batches = [samples[i : i + EVAL_BS] for i in range(0, len(samples), EVAL_BS)]
+    with torch.no_grad():
+        means = [float(full_batch_loss(reference, PaddingCollator()(b), "causal_lm")) for b in batches]
+    return sum(m * len(b) for m, b in zip(means, batches, strict=True)) / len(samples)
+
+
+def refused(run) -> dict:
+    """Rank 1 alone gets left-padded batches: every rank must stop with a GradAccDataError (within the launch's
+    time limit: a rank left waiting in a collective would hang it)."""
+    try:
+        run()
+    except GradAccError as error:
+        return {"error_type": type(error).__name__, "error": str(error)}
+    return {"error_type": None}
+
+
+def refused_in_training() -> dict:
+    dp = world_size() // CP
+    samples = make_samples("causal_lm", BS * GA * dp, seed=5)
+    args = one_step_args(tempfile.mkdtemp(prefix="hf_gradacc_cp_"), per_device_train_batch_size=BS,
+                         gradient_accumulation_steps=GA, per_device_eval_batch_size=EVAL_BS, args_class=GradAccConfig,
+                         fsdp=True, fsdp_config={"version": 2}, ddp_backend="gloo", use_cpu=True,
+                         parallelism_config=ParallelismConfig(cp_size=CP, dp_shard_size=dp))  # fmt: skip
+    trainer = GradAccTrainer(model=build_tiny_model("causal_lm"), args=args, train_dataset=ListDataset(samples),
+                             data_collator=LeftPaddingOnRankOne())  # fmt: skip
+    return refused(trainer.train)
+
+
 def one_step(kind: str, task: str = "causal_lm") -> dict:
     dp = world_size() // CP
     model = build_tiny_model(task)
     samples = make_samples(task, BS * GA * dp, seed=5)
+    eval_samples = make_samples(task, 4 * EVAL_BS * dp, seed=7)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = one_step_args(tempfile.mkdtemp(prefix="hf_gradacc_cp_"), per_device_train_batch_size=BS,
                          gradient_accumulation_steps=GA, args_class=GradAccConfig if kind == "gradacc" else TrainingArguments,
+                         per_device_eval_batch_size=EVAL_BS,
                          fsdp=True, fsdp_config={"version": 2, **WRAP.get(task, {})}, ddp_backend="gloo", use_cpu=True,
                          parallelism_config=ParallelismConfig(cp_size=CP, dp_shard_size=dp))  # fmt: skip
     trainer_class, collate = (GradAccTrainer, PaddingCollator()) if kind == "gradacc" else (Trainer, stock_collate)
@@ -49,11 +99,17 @@ def one_step(kind: str, task: str = "causal_lm") -> dict:
         return {"error_type": type(error).__name__, "error": str(error)}
     trainer.train()
     final = full_parameters(trainer)
+    evaluation = {}
+    if kind == "gradacc" and task == "causal_lm":  # FSDP2 evaluates a prepared model: after the step
+        evaluation = {"eval_loss": trainer.evaluate(ListDataset(eval_samples))["eval_loss"],
+                      "eval_reference": eval_reference(final, eval_samples)}  # fmt: skip
+        trainer.data_collator = LeftPaddingOnRankOne()
+        evaluation["refused_evaluate"] = refused(lambda: trainer.evaluate(ListDataset(eval_samples)))
     update = {n: initial[n] - final[n].float() for n in initial}
     reference = reference_gradients(build_tiny_model(task), samples, task, PaddingCollator())
     return {"update": compare(update, reference).__dict__, "moved": sum(int(u.abs().sum() > 0) for u in update.values()),
             "parameters": len(update), "cp_size": trainer.accelerator.parallelism_config.cp_size,
-            "cp_rank": trainer._cp.rank if kind == "gradacc" else None}  # fmt: skip
+            "cp_rank": trainer._cp.rank if kind == "gradacc" else None, **evaluation}  # fmt: skip
 
 
 def main() -> None:
@@ -62,7 +118,9 @@ def main() -> None:
     torch.manual_seed(0)
     kinds = sys.argv[1:] or ["gradacc"]  # "stock": the stock Trainer on the same launch (recorded by hand)
     result = {kind: one_step(kind) for kind in kinds}
-    write_result("cp", {**result, "sequence_classification": one_step("gradacc", "sequence_classification")})
+    result["sequence_classification"] = one_step("gradacc", "sequence_classification")
+    result["refused_train"] = refused_in_training()
+    write_result("cp", result)
     finish_worker(0)
 
 
