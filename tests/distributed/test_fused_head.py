@@ -44,6 +44,9 @@ def test_one_step_is_exact_and_every_counted_target_goes_through_the_fused_head(
     for result in results["exact"]:  # the fused head ran on every micro-batch, on exactly its counted targets
         assert result["fused_rows"] == result["counted"] and len(result["counted"]) == 4, (backend, result)
         assert sum(result["counted"]) > 0
+        # the head's gradient straight into .grad: DDP's micro-batches 2 and 3 of 4 (inside no_sync, .grad there);
+        # never the first (no .grad), the synchronising last one, nor under DeepSpeed / FSDP2
+        assert result["into_grad_written"] == (2 if backend == "ddp" else 0), (backend, result)
 
 
 def test_a_one_percent_denominator_error_is_outside_the_tolerance(launch):

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import hf_gradacc.fused_head as fused_head
+import hf_gradacc.fused_into_grad as fused_into_grad
 from hf_gradacc import GradAccConfig, GradAccTrainer
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients
@@ -131,6 +132,7 @@ def run_case(case: dict[str, Any], backend: str, rank: int, world: int) -> dict[
     if case.get("wrong_transform_on") == rank:
         fused_head.LogitTransform.of = classmethod(lambda cls, model: cls(scale=1.5))
     result: dict[str, Any] = {"name": case["name"], "rank": rank}
+    written_before = fused_into_grad.STATS.written  # micro-batches whose head gradient went straight into .grad
     try:
         trainer = GradAccTrainer(model=work, args=_args(backend, case), train_dataset=ListDataset(samples),
                                  data_collator=collate)  # fmt: skip
@@ -154,6 +156,7 @@ def run_case(case: dict[str, Any], backend: str, rank: int, world: int) -> dict[
     result.update(fused_rows=fused_rows, counted=[sum(sum(t != -100 for t in f["labels"][1:]) for f in mb)
                                                   for mb in micro_batches])  # fmt: skip
     result["distributed_type"] = str(trainer.accelerator.distributed_type)
+    result["into_grad_written"] = fused_into_grad.STATS.written - written_before
     if rank == 0:
         step = samples if case.get("packed") else [f for mb in trained for f in mb]  # packed: the step is the set
         reference = reference_gradients(base, step, "causal_lm", PaddingCollator(),
