@@ -326,8 +326,9 @@ def resolve_resume(trainer: Any, value: str | bool | None) -> tuple[str | bool |
 # ---------------------------------------------------------------------------------------------- the data position
 # What the data position of a checkpoint means. The stock resume skips `global_step` x (the NEW run's samples per step)
 # of the epoch's order; hf_gradacc records where the epoch stands in samples instead (`DataPosition`), so a change of
-# the first four fields is carried over exactly (`ResumePoint`); a change of any other one cannot be.
-_RELAYOUT_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "accumulation_schedule", "world_size")
+# the first five fields is carried over exactly (`ResumePoint`); a change of any other one cannot be.
+_RELAYOUT_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "accumulation_schedule", "world_size",
+                    "data_parallel_size")  # the processes, and the ranks among them that hold different samples
 _LAYOUT_FIELDS = (
     *_RELAYOUT_FIELDS, "num_train_samples", "seed", "data_seed", "dataloader_drop_last", "train_sampling_strategy",
     "regroup_micro_batches", "max_tokens_per_micro_batch", "pack_micro_batches",
@@ -373,6 +374,23 @@ class ResumePoint:
     changed: tuple[str, ...]
 
 
+def data_parallel_size(trainer: Any) -> int:
+    """Ranks that hold different samples: the processes over the ranks that get a copy of a data rank's batches,
+    tensor-, context- and sequence-parallel (accelerate deals them the same batches; `Trainer.get_total_train_batch_size`
+    divides them out alike). A step's samples are its micro-batch rows times this, never times ``args.world_size``.
+
+    Example:
+        ```python
+        samples_per_micro_batch = trainer._train_batch_size * data_parallel_size(trainer)   # cp 2 on 2 processes: 1
+        ```
+    """
+    copies = 1
+    for name in ("get_tp_size", "get_cp_size", "get_sp_size"):  # absent on older transformers: 1
+        size = getattr(trainer, name, None)
+        copies *= int(size() or 1) if callable(size) else 1
+    return max(1, trainer.args.world_size // copies)
+
+
 def prefix_blocker(trainer: Any) -> str | None:
     """Why ``trainer``'s trained samples are not a prefix of the epoch's order (so a position in samples means
     nothing), or None when they are: a dataset without a length, a sampler whose order depends on the batch size
@@ -400,6 +418,7 @@ def data_layout(trainer: Any) -> dict[str, Any]:
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "accumulation_schedule": None if schedule is None else str(schedule),
         "world_size": args.world_size,
+        "data_parallel_size": data_parallel_size(trainer),  # cp 1 -> 2 on the same processes changes it alone
         "num_train_samples": len(dataset) if dataset is not None and has_length(dataset) else None,
         "seed": args.seed,
         "data_seed": args.data_seed,
@@ -466,7 +485,8 @@ def check_data_layout(
     data when the checkpoint's position is carried over in samples, or None for the stock resume (skip
     ``global_step`` steps of this run's layout).
 
-    A changed batch size, ``gradient_accumulation_steps``, ``accumulation_schedule`` or world size is carried over
+    A changed batch size, ``gradient_accumulation_steps``, ``accumulation_schedule``, world or data-parallel size
+    (:func:`data_parallel_size`: a changed ``cp_size`` on the same processes) is carried over
     when the checkpoint recorded its position in samples and ``blocker`` (why this run's samples are not a prefix of
     the epoch's order, see :func:`prefix_blocker`) is None. Any other difference (dataset length, seed, data_seed,
     drop_last, sampling strategy, regrouping or packing), or a layout change that cannot be carried over, raises

@@ -33,7 +33,7 @@ from .backends.fsdp2 import warn_if_no_full_model
 from .builtin_loss import MAIN_TERM, builtin_loss, model_mean_loss
 from .callbacks.base import GradAccCallback
 from .callbacks.batchnorm import batchnorm_callback_for
-from .checkpoints import DataPosition, ResumePoint, checkpoint_save, prefix_blocker, resolve_resume
+from .checkpoints import DataPosition, ResumePoint, checkpoint_save, data_parallel_size, prefix_blocker, resolve_resume
 from .checks import start_up_check
 from .compat import check_trainer_class
 from .config import GradAccArguments, GradAccSettings, resolve_settings
@@ -333,7 +333,7 @@ class GradAccMixin:
                 else math.ceil(steps_in_epoch / self.args.gradient_accumulation_steps)
             )  # fmt: skip
         num_samples = len(self.train_dataset) if prefix_blocker(self) is None else None
-        samples_per_micro_batch = self._train_batch_size * self.args.world_size
+        samples_per_micro_batch = self._train_batch_size * data_parallel_size(self)  # not the cp / tp / sp copies
         # Regrouped or packed windows keep each stock window's samples (GA x batch x ranks of the order), not its
         # micro-batches: count windows there.
         samples_per_window = samples_per_micro_batch * self.args.gradient_accumulation_steps

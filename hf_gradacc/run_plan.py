@@ -16,7 +16,7 @@ import torch
 from transformers.trainer_utils import has_length
 from transformers.utils import logging
 
-from .checkpoints import stock_position
+from .checkpoints import data_parallel_size, stock_position
 from .data.loader import adjust_training_values, find_regroup_sampler, skip_first_samples
 from .errors import GradAccConfigError
 from .schedule import scheduled_training_values
@@ -59,7 +59,7 @@ def resume_values(trainer: Any, args: Any, dataloader: Any, values: tuple) -> tu
         point.global_step, num_update_steps_per_epoch=steps_per_epoch, batches_per_epoch=batches,
         gradient_accumulation_steps=args.gradient_accumulation_steps, schedule=schedule,
     )  # fmt: skip
-    stock_samples = min(done * trainer._train_batch_size * args.world_size, len(trainer.train_dataset))
+    stock_samples = min(done * trainer._train_batch_size * data_parallel_size(trainer), len(trainer.train_dataset))
     if not point.changed and (epoch, stock_samples) == (point.epoch, point.num_samples):
         return values  # the stock skip lands on the recorded position: resumed as before, bit for bit
     if not args.ignore_data_skip and not skip_first_samples(dataloader, point.num_samples, point.epoch):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import threading
 from types import SimpleNamespace
 
@@ -25,9 +26,11 @@ import torch
 from torch.distributed.tensor.experimental._context_parallel._load_balancer import _create_default_load_balancer
 from transformers import Trainer, TrainerCallback
 from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.trainer_callback import TrainerState
 
-from hf_gradacc import GradAccTrainer, LossTerm
+from hf_gradacc import GradAccConfig, GradAccTrainer, LossTerm
 from hf_gradacc.backends.sharded_model import check_context_parallel
+from hf_gradacc.checkpoints import DATA_NAME, POSITION_KEY, check_data_layout, data_parallel_size
 from hf_gradacc.context_parallel import ContextParallel, check_micro_batch, context_parallel_for
 from hf_gradacc.counting import count_micro_batch
 from hf_gradacc.errors import GradAccConfigError, GradAccDataError, GradAccLossError, UnsupportedBackendError
@@ -483,3 +486,51 @@ def test_a_refused_micro_batch_on_one_rank_stops_every_rank(phase):
     _, errors = on_every_rank(trainers, exchange, run)
     assert isinstance(errors[1], GradAccDataError) and "padding_side" in str(errors[1]), errors
     assert isinstance(errors[0], GradAccDataError) and "Rank(s) [1]" in str(errors[0]), errors
+
+
+# ---------------------------------------------------------------------------------------------- resume by samples
+class _TwoCpRanksConfig(GradAccConfig):
+    """Arguments of a world of 2 processes (this one stands for both: they are the 2 cp ranks of ONE data rank, so
+    they train exactly this process's samples)."""
+
+    world_size = property(lambda self: 2)
+
+
+class _TwoCpRanksTrainer(GradAccTrainer):
+    def get_cp_size(self) -> int:  # accelerate's `parallelism_config.cp_size`, as `Trainer.get_cp_size` reads it
+        return 2
+
+
+def test_a_cp_resume_by_samples_counts_the_data_ranks_not_the_processes(monkeypatch, tmp_path):
+    """A run on 2 processes that are the cp ranks of one data rank records its position in samples over that ONE
+    data rank (not `args.world_size`, which would record twice the samples trained), and a resume with another
+    `gradient_accumulation_steps` trains every remaining sample once (it would have skipped twice the samples)."""
+    from tests.distributed.workers import resume_layout_cases as cases
+
+    monkeypatch.setattr(cases, "GradAccConfig", _TwoCpRanksConfig)
+    monkeypatch.setattr(cases, "GradAccTrainer", _TwoCpRanksTrainer)
+    assert data_parallel_size(SimpleNamespace(args=SimpleNamespace(world_size=2), get_cp_size=lambda: 2)) == 1
+    a = cases.train_run(str(tmp_path / "a"), batch=2, ga=2)  # 24 samples, 4 a step, a checkpoint after each
+    with open(tmp_path / "a" / "checkpoint-2" / DATA_NAME) as f:
+        assert json.load(f)["position"]["num_samples"] == 8  # 2 steps x 2 x GA 2 x 1 data rank
+    b = cases.train_run(str(tmp_path / "b"), batch=2, ga=4, resume=str(tmp_path / "a" / "checkpoint-2"))
+    first = [i for step, ids in a["steps"] if step < 2 for i in ids]
+    rest = [i for _, ids in b["steps"] for i in ids]
+    assert sorted(first + rest) == list(range(cases.NUM_SAMPLES)), (first, rest)
+    assert rest == [i for step, ids in a["steps"] if step >= 2 for i in ids]  # in the checkpoint's order
+    same = cases.train_run(str(tmp_path / "c"), batch=2, ga=2, resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert not [m for m in same["warnings"] if "had trained the first" in m], same["warnings"]  # the stock resume
+    assert [ids for _, ids in same["steps"]] == [ids for step, ids in a["steps"] if step >= 2]
+
+
+def test_a_change_of_cp_size_on_the_same_processes_resumes_by_samples(tmp_path):
+    """cp 2 -> 1 on the same 2 processes: 1 data rank -> 2, the world size unchanged. The record names the change
+    and the resume is counted in samples (the stock skip would skip twice the samples trained)."""
+    layout = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "accumulation_schedule": None,
+              "world_size": 2, "data_parallel_size": 1, "num_train_samples": 24, "seed": 42}  # fmt: skip
+    position = {"epoch": 0, "num_samples": 8, "num_micro_batches": 4, "epoch_done": False}
+    with open(tmp_path / DATA_NAME, "w") as f:
+        json.dump({**layout, POSITION_KEY: position}, f)
+    TrainerState(global_step=2).save_to_json(str(tmp_path / "trainer_state.json"))
+    point = check_data_layout(str(tmp_path), {**layout, "data_parallel_size": 2})
+    assert point is not None and (point.num_samples, point.changed) == (8, ("data_parallel_size 1 -> 2",)), point
