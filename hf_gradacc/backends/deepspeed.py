@@ -47,7 +47,9 @@ def _clip_value(value: Any) -> float:
     return value if value > 0 and math.isfinite(value) else 0.0
 
 
-def check_deepspeed_config(config: dict[str, Any], args: TrainingArguments, num_processes: int) -> dict[str, Any]:
+def check_deepspeed_config(
+    config: dict[str, Any], args: TrainingArguments, num_processes: int, sequence_parallel_size: int = 1
+) -> dict[str, Any]:
     """Check a DeepSpeed config against the TrainingArguments and fill what GradAccTrainer needs, in place.
 
     GradAccTrainer owns the accumulation (DeepSpeed never divides the loss by its own
@@ -84,7 +86,9 @@ def check_deepspeed_config(config: dict[str, Any], args: TrainingArguments, num_
             )
         config[ds_key] = wanted
     total = config.get("train_batch_size")
-    if _is_set(total) and int(total) != micro * gas * num_processes:
+    # under Ulysses accelerate rewrites it per data rank when it prepares the engine (a backend built again later sees it)
+    allowed = {micro * gas * num_processes, micro * gas * (num_processes // max(1, sequence_parallel_size))}
+    if _is_set(total) and int(total) not in allowed:
         raise GradAccConfigError(
             f"DeepSpeed `train_batch_size` ({total}) is not `per_device_train_batch_size` x "
             f"`gradient_accumulation_steps` x processes ({micro} x {gas} x {num_processes} = "
@@ -92,7 +96,7 @@ def check_deepspeed_config(config: dict[str, Any], args: TrainingArguments, num_
             "GPU and with `TrainingArguments(deepspeed=...)`, 'auto' was filled for 1 process: call "
             "hf_gradacc.patches.enable_cpu_distributed() before building the TrainingArguments.)"
         )
-    config["train_batch_size"] = micro * gas * num_processes
+    config["train_batch_size"] = int(total) if _is_set(total) else micro * gas * num_processes
     wanted_clip = _clip_value(args.max_grad_norm)
     clip = config.get("gradient_clipping")
     if _is_set(clip) and _clip_value(clip) != wanted_clip:
@@ -214,7 +218,7 @@ class DeepSpeedBackend(Backend):
         plugin = accelerator.state.deepspeed_plugin
         if plugin is None:
             raise UnsupportedBackendError("accelerate reports DeepSpeed but holds no DeepSpeed plugin (config).")
-        check_deepspeed_config(plugin.deepspeed_config, args, accelerator.num_processes)
+        check_deepspeed_config(plugin.deepspeed_config, args, accelerator.num_processes, self.sequence_parallel_size)
         self.zero_stage: int = int(plugin.deepspeed_config["zero_optimization"]["stage"])
         if self.zero_stage == 3 and self.sequence_parallel_size > 1:
             # Measured on 2 CPU ranks (sp 2): the update is 0.50x the float64 full batch; ZeRO-1/2 are exact.

@@ -249,12 +249,13 @@ def _trainer_pair(
     from transformers import Trainer
 
     from .. import GradAccTrainer
+    from ..testing.check_mesh import mesh_trainer_classes
     from ..testing.check_scenarios import plain_compute_loss
     from ..testing.one_step import compare_with_reference, one_step_args, one_step_update
 
     # GradAccTrainer first: its set-up checks (e.g. a model FSDP2 cannot wrap) give a clear error where the stock
     # Trainer would fail deep inside torch.
-    classes = [("GradAccTrainer", GradAccTrainer), ("Trainer", Trainer)]
+    classes = mesh_trainer_classes([("GradAccTrainer", GradAccTrainer), ("Trainer", Trainer)])
     if scenario == "plain_compute_loss":
         classes = [(name, plain_compute_loss(trainer_class)) for name, trainer_class in classes]
     if distributed_config:
@@ -351,7 +352,7 @@ def _check_every_head(opts: argparse.Namespace) -> int:
     from .. import patches
     from ..errors import GradAccError, UnsupportedBackendError
     from ..testing import check_report as report
-    from ..testing.check_mesh import head_cases
+    from ..testing.check_mesh import head_cases, mesh_collator
     from ..testing.check_scenarios import load_check_model, synthetic_samples
     from ..testing.tiny import PaddingCollator
 
@@ -370,9 +371,10 @@ def _check_every_head(opts: argparse.Namespace) -> int:
             key=case.key, options=case.options, task=case.task, model_class=type(loaded.model).__name__
         )
         samples = synthetic_samples(loaded.task, num_samples, opts.seed, loaded.model)
+        collator = mesh_collator(PaddingCollator(pad_token_id=loaded.pad_token_id), samples)  # SP: one width
         try:
             results, trainer, _ = _trainer_pair(
-                loaded.model, loaded.task, samples, PaddingCollator(pad_token_id=loaded.pad_token_id), step_kwargs,
+                loaded.model, loaded.task, samples, collator, step_kwargs,
                 scenario=case.scenario, verbose=opts.verbose, distributed_config=opts.distributed_config,
             )  # fmt: skip
         except (GradAccConfigError, UnsupportedBackendError, NotImplementedError) as exc:
@@ -428,6 +430,7 @@ def _check_one(opts: argparse.Namespace) -> int:
     from .. import patches
     from ..errors import GradAccError, UnsupportedBackendError
     from ..testing import check_report as report
+    from ..testing.check_mesh import mesh_collator
     from ..testing.check_scenarios import has_router_term, load_check_model, synthetic_samples
     from ..testing.tiny import PaddingCollator
 
@@ -460,6 +463,7 @@ def _check_one(opts: argparse.Namespace) -> int:
             names = ("GradAccTrainer", "Trainer")
             # Exactly one window for all ranks: every rank builds the same samples, the reference sees all of them.
             samples = synthetic_samples(task, bs * gas * _data_ranks(opts, world_size), opts.seed, model)
+            collator = mesh_collator(collator, samples)  # under sequence parallelism: one width, position_ids
             num_samples = len(samples)
             if opts.scenario == "moe_global":  # stock, per micro-batch and global-batch balance, against definition B
                 from ..testing.check_moe import GLOBAL_NAME, moe_global_results

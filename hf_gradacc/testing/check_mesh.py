@@ -7,10 +7,16 @@ The tensor (and expert) ranks hold copies of the same samples: a step covers ``b
 where the data ranks are ``dp_replicate_size x fsdp_size``. A head whose model has no plan for a requested dimension
 (transformers: "`tp_size=2` was requested, but `BertForMaskedLM` has no `tp_plan`") is reported as such, not run.
 
+Under an accelerate launch with DeepSpeed Ulysses sequence parallelism (``parallelism_config_sp_size`` > 1) the
+check's collator and trainers come from :mod:`hf_gradacc.testing.check_sp` (:func:`mesh_collator`,
+:func:`mesh_trainer_classes`) and the data ranks are the world over ``sp_size``.
+
 Example:
     ```bash
     torchrun --nproc_per_node 4 -m hf_gradacc check --distributed_config tp_size=2,fsdp_size=2   # TP 2 x FSDP 2
     torchrun --nproc_per_node 2 -m hf_gradacc check --scenario moe_mixtral --distributed_config fsdp_size=2,ep_size=2
+    HF_GRADACC_CPU_DISTRIBUTED=1 accelerate launch --config_file examples/accelerate_configs/sp_zero2_cpu.yaml \\
+        -m hf_gradacc check                                                                        # SP 2
     ```
 """
 
@@ -19,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,27 +57,25 @@ def parse_distributed_config(text: str) -> dict[str, int]:
     return sizes
 
 
-def data_ranks(sizes: dict[str, int] | None, world_size: int) -> int:
-    """The ranks that hold different samples: ``dp_replicate_size x fsdp_size`` (all of them without ``sizes``)."""
+def data_ranks(sizes: dict[str, int] | None, world_size: int, env: dict[str, str] | None = None) -> int:
+    """The ranks that hold different samples: ``dp_replicate_size x fsdp_size`` with ``sizes``; else the world over
+    the sequence-parallel size of the accelerate launch (its ranks hold slices of the same samples)."""
     if not sizes:
-        return world_size
+        from .check_sp import sequence_parallel_size
+
+        return max(1, world_size // sequence_parallel_size(env))
     return sizes.get("dp_replicate_size", 1) * sizes.get("fsdp_size", 1)
 
 
 def check_options(opts: argparse.Namespace, env: dict[str, str] | None = None) -> None:
-    """Refuse what ``--distributed_config`` cannot be combined with, and a sequence-parallel launch (raises
-    :class:`GradAccConfigError`)."""
-    env = dict(os.environ) if env is None else env
-    sp_size = env.get("PARALLELISM_CONFIG_SP_SIZE", "1").strip()
-    if sp_size.isdigit() and int(sp_size) > 1:
-        # Ulysses needs position_ids and one sequence width on every rank (the adapter all-gathers the batches);
-        # the stock Trainer's loss fails on CPU with more than one row per device. Not built into check yet.
-        raise GradAccConfigError(
-            f"`hf-gradacc check` does not run under sequence parallelism yet (`parallelism_config_sp_size: {sp_size}` "
-            "in the accelerate config): its synthetic batches have no `position_ids` and their own widths, which "
-            "DeepSpeed Ulysses needs. Launch it without the `parallelism_config_sp_*` lines; the exactness under "
-            "Ulysses is shown by tests/distributed/test_sequence_parallel.py (docs/backends.md, the SP row)."
-        )
+    """Refuse what ``--distributed_config`` cannot be combined with, and what a sequence-parallel launch cannot run
+    (raises :class:`GradAccConfigError`)."""
+    from .check_sp import check_sequence_parallel_options, sequence_parallel_size
+
+    sp_size = sequence_parallel_size(env)
+    if sp_size > 1:
+        check_sequence_parallel_options(opts, sp_size)
+        return
     if getattr(opts, "distributed_config", None) is None:
         return
     for flag, is_set in (("--plot", bool(opts.plot)), ("--model", opts.model is not None),
@@ -82,6 +85,32 @@ def check_options(opts: argparse.Namespace, env: dict[str, str] | None = None) -
                 f"`{flag}` is not supported with `--distributed_config` (the built-in tiny models, one step of "
                 "transformers' Trainer and GradAccTrainer); drop one of them"
             )
+
+
+def mesh_collator(collator: Callable, samples: Sequence[dict[str, Any]]) -> Callable:
+    """The check's collator on this launch's mesh: under Ulysses sequence parallelism one width for every
+    micro-batch (a multiple of ``sp_size``, agreed over the ranks) and ``position_ids``; else ``collator``.
+
+    Every rank calls it (under sequence parallelism it agrees the width with a collective).
+    """
+    from .check_sp import sequence_parallel_collator, sequence_parallel_size
+
+    sp_size = sequence_parallel_size()
+    return sequence_parallel_collator(collator, samples, sp_size) if sp_size > 1 else collator
+
+
+def mesh_trainer_classes(classes: Sequence[tuple[str, type]]) -> list[tuple[str, type]]:
+    """The trainer classes by name, under sequence parallelism each set up for it (DeepSpeed's groups released
+    between trainers; on a CPU host contiguous inputs: :func:`hf_gradacc.testing.check_sp.sequence_parallel_trainer`);
+    else as they are."""
+    import torch
+
+    from .check_sp import sequence_parallel_size, sequence_parallel_trainer
+
+    if sequence_parallel_size() == 1:
+        return list(classes)
+    contiguous = not torch.cuda.is_available()
+    return [(name, sequence_parallel_trainer(cls, contiguous=contiguous)) for name, cls in classes]
 
 
 def head_cases(sizes: dict[str, int] | None) -> tuple[Any, ...]:

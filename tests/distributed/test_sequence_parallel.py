@@ -6,6 +6,10 @@ Each rank holds half of every sequence; the targets are counted once over the se
 here of one rank), and ZeRO sums the sequence shards' gradients (it divides by the data ranks only), so the loss is
 scaled by the data ranks, not by the world. Exact: relative gradient error <= 1e-5 against the float64 full batch.
 ZeRO-3 with ``sp_size`` > 1 is refused by name (it scales the shards' gradients otherwise).
+
+The ZeRO-2 launch uses the shipped ``sp_zero2_cpu.yaml`` and then runs ``hf-gradacc check`` in the same processes,
+which reads ``parallelism_config_sp_size`` from that config: SP 2 printed as the mesh, the causal LMs exact, every
+other head refused by name.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ TOLERANCE = 1e-5
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _launch(stage: int, num_processes: int = 2) -> list[dict]:
-    config = REPO / "examples" / "accelerate_configs" / f"zero{stage}_cpu.yaml"
+def _launch(stage: int, num_processes: int = 2, *, config_name: str | None = None, check: bool = False):
+    config = REPO / "examples" / "accelerate_configs" / (config_name or f"zero{stage}_cpu.yaml")
     out_dir = tempfile.mkdtemp(prefix="hf_gradacc_sp_")
     if num_processes != 2:
         text = config.read_text().replace("num_processes: 2", f"num_processes: {num_processes}")
@@ -36,17 +40,20 @@ def _launch(stage: int, num_processes: int = 2) -> list[dict]:
     result = run_accelerate(
         config,
         WORKER,
-        ["--trainer", "gradacc", "--batch", "2"],
+        ["--trainer", "gradacc", "--batch", "2", *(["--check"] if check else [])],
         cpu_distributed=True,
         nproc=num_processes,
-        timeout=300.0 * num_processes / 2,
+        timeout=(420.0 if check else 300.0) * num_processes / 2,
         out_dir=out_dir,
     )
-    return result.load("gradacc")
+    return (result.load("gradacc"), result.load("check")) if check else result.load("gradacc")
 
 
 def test_ulysses_sequence_parallel_zero2_is_exact():
-    ranks = _launch(2)
+    # the shipped sp_zero2_cpu.yaml (its `parallelism_config` block agrees with the worker's ParallelismConfig), then
+    # `hf-gradacc check` in the same launch, reading the mesh from that config as users run it
+    ranks, checks = _launch(2, config_name="sp_zero2_cpu.yaml", check=True)
+    _assert_check_on_sp2(checks)
     for payload in ranks:
         assert payload["outcome"] == "trained", payload.get("traceback", payload)
         assert payload["global_step"] == 1
@@ -64,6 +71,30 @@ def test_ulysses_sequence_parallel_zero2_is_exact():
             "all_reduce@hf_gradacc:agreed_nonfinite<must_skip<optimizer_step": 1,
             "all_reduce@hf_gradacc:grad_sq_norms<clip_grad_norm<optimizer_step": 1,
         }, step
+
+
+def _assert_check_on_sp2(checks: list[dict]) -> None:
+    """`hf-gradacc check` on SP 2 (2 ranks, one data rank): both causal LM rows exact, the other heads refused by
+    name, the header naming the mesh, and the step's samples those of the one data rank the sequence group shares."""
+    for payload in checks:
+        assert payload["status"] == 0, payload.get("traceback", payload.get("stdout", payload))
+    data, printed = checks[0]["json"], checks[0]["stdout"]
+    setup = data["setup"]
+    assert setup["mesh"] == "SP 2" and "  mesh      SP 2\n" in printed, (setup, printed)
+    assert "Ulysses sequence parallel 2" in setup["backend"], setup
+    # batch 2 x GA 4 x 1 data rank: the two ranks hold slices of the same 8 samples, counted once over the group
+    assert setup["world_size"] == 2 and setup["data_ranks"] == 1 and setup["num_samples"] == 8, setup
+    assert "x 1 data rank (of 2 processes) = 8 samples per step" in printed, printed
+    heads = data["heads"]
+    for key in ("causal_lm", "causal_lm_no_loss_kwargs"):
+        ours, stock = heads[key]["results"]["GradAccTrainer"], heads[key]["results"]["Trainer"]
+        assert ours["relative_error"] <= TOLERANCE, (key, ours)
+        # the stock Trainer's Ulysses loss (transformers' deepspeed_sp_compute_loss) on the same batches
+        assert stock["relative_error"] > 1.0 and not stock["is_exact"], (key, stock)
+    for key in ("seq2seq", "masked_lm", "token_classification", "sequence_classification", "image_classification"):
+        assert "cannot train under Ulysses sequence parallelism" in heads[key]["skipped"], (key, heads[key])
+    assert data["is_exact"] is True
+    assert printed.count("GradAccTrainer is exact on all 2 heads that ran (5 skipped)") == 1, printed
 
 
 def test_ulysses_sequence_parallel_zero3_is_refused_by_name():

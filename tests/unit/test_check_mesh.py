@@ -51,11 +51,11 @@ def test_options_it_cannot_combine_with_are_refused(extra, capsys):
     assert "is not supported with `--distributed_config`" in capsys.readouterr().err
 
 
-def test_a_sequence_parallel_launch_is_refused_by_name():
-    """Under `accelerate launch` with `parallelism_config_sp_size: 2` the check crashed in DeepSpeed's Ulysses adapter
-    ("Ulysses SP requires `position_ids` in every dataloader batch", measured on 2 CPU ranks)."""
-    opts = _parse()
-    with pytest.raises(GradAccConfigError, match="parallelism_config_sp_size: 2"):
-        check_options(opts, {"PARALLELISM_CONFIG_SP_SIZE": "2"})
-    check_options(opts, {"PARALLELISM_CONFIG_SP_SIZE": "1"})
-    check_options(opts, {})
+def test_a_sequence_parallel_launch_runs_and_refuses_what_it_cannot_run():
+    """Under `accelerate launch` with `parallelism_config_sp_size: 2` the check runs (tests/unit/test_check_sp.py, and on
+    2 ranks tests/distributed/test_sequence_parallel.py); only the options it cannot run there are refused."""
+    sp2 = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2"}
+    check_options(_parse(), sp2)
+    with pytest.raises(GradAccConfigError, match=r"`--plot` is not supported under sequence parallelism.*sp_size: 2"):
+        check_options(_parse("--plot", "x.png"), sp2)
+    assert data_ranks(None, 2, sp2) == 1 and data_ranks(None, 2, {}) == 2

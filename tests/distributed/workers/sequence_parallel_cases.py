@@ -27,6 +27,7 @@ from accelerate.utils import DeepSpeedSequenceParallelConfig
 from transformers import Trainer, TrainingArguments
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
+from hf_gradacc.testing.check_sp import one_sequence_parallel_set_up
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
@@ -100,7 +101,7 @@ def run(trainer_name: str, batch: int, task: str = "causal_lm") -> dict[str, Any
     trainer = cls(model=model, args=args, train_dataset=ListDataset(samples), data_collator=SequenceCollator(),
                   callbacks=[budget])
     budget.trainer = trainer
-    with budget:
+    with budget, one_sequence_parallel_set_up():  # undone after: `--check` sets Ulysses up again in this process
         trainer.train()
     module = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     update = {n: initial[n] - p.detach().float() for n, p in module.named_parameters()}
@@ -115,11 +116,35 @@ def run(trainer_name: str, batch: int, task: str = "causal_lm") -> dict[str, Any
     }
 
 
+def run_check() -> dict[str, Any]:
+    """`hf-gradacc check` (every built-in head) in this launch, after the case: its exit status, report and JSON.
+
+    It reads the sequence-parallel size from the launch's accelerate config (``sp_zero2_cpu.yaml``), as users run it;
+    it tears the process group down at its end, so it runs last.
+    """
+    import contextlib
+    import io
+    import json
+
+    from hf_gradacc.commands.hf_gradacc_cli import main as cli
+
+    report = f"{tempfile.mkdtemp(prefix='check_sp_')}/check.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = cli(["check", "--json", report])
+    payload: dict[str, Any] = {"status": status, "stdout": printed.getvalue()}
+    if rank() == 0:
+        with open(report) as f:
+            payload["json"] = json.load(f)
+    return payload
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=("stock", "gradacc"), required=True)
     parser.add_argument("--batch", type=int, default=PER_DEVICE_BATCH)
     parser.add_argument("--tasks", default="causal_lm", help="comma-separated: causal_lm, sequence_classification")
+    parser.add_argument("--check", action="store_true", help="then `hf-gradacc check` (needs sp_zero2_cpu.yaml)")
     opts = parser.parse_args()
     for task in opts.tasks.split(","):
         try:
@@ -135,6 +160,13 @@ def main() -> None:
         write_result(name, payload)
         if rank() == 0:
             print(f"[sequence_parallel_cases] {name}: {payload}", flush=True)
+    if opts.check:
+        try:
+            payload = run_check()
+        except Exception as err:
+            payload = {"status": None, "error": f"{type(err).__name__}: {err}"[:2000],
+                       "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
+        write_result("check", payload)
     finish_worker()
 
 
