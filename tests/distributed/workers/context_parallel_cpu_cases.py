@@ -8,6 +8,7 @@ training and in evaluation, none waiting in a collective). Writes ``cp.rank<r>.j
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 
@@ -18,6 +19,7 @@ from cpu_context_parallel import install
 from transformers import Trainer, TrainingArguments
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
+from hf_gradacc.backends import mesh_from_accelerator
 from hf_gradacc.errors import GradAccError
 from hf_gradacc.patches.fsdp_cpu import enable_fsdp_on_cpu
 from hf_gradacc.testing.one_step import full_parameters, one_step_args
@@ -26,6 +28,12 @@ from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_mod
 from tests.distributed.workers._common import finish_worker, rank, world_size, write_result
 
 CP, BS, GA, EVAL_BS = 2, 2, 3, 3
+# HSDP x CP by hand (8 ranks: HF_GRADACC_CP_REPLICATE=2): dp_replicate x dp_shard x cp; not in CI (8 processes).
+REPLICATE = int(os.environ.get("HF_GRADACC_CP_REPLICATE", "1"))
+
+
+def mesh(dp: int) -> ParallelismConfig:
+    return ParallelismConfig(dp_replicate_size=REPLICATE, dp_shard_size=dp // REPLICATE, cp_size=CP)
 WRAP = {"sequence_classification": {"transformer_layer_cls_to_wrap": ["BertLayer"]}}  # tied embeddings: per layer
 
 
@@ -75,7 +83,7 @@ def refused_in_training() -> dict:
     args = one_step_args(tempfile.mkdtemp(prefix="hf_gradacc_cp_"), per_device_train_batch_size=BS,
                          gradient_accumulation_steps=GA, per_device_eval_batch_size=EVAL_BS, args_class=GradAccConfig,
                          fsdp=True, fsdp_config={"version": 2}, ddp_backend="gloo", use_cpu=True,
-                         parallelism_config=ParallelismConfig(cp_size=CP, dp_shard_size=dp))  # fmt: skip
+                         parallelism_config=mesh(dp))  # fmt: skip
     trainer = GradAccTrainer(model=build_tiny_model("causal_lm"), args=args, train_dataset=ListDataset(samples),
                              data_collator=LeftPaddingOnRankOne())  # fmt: skip
     return refused(trainer.train)
@@ -91,7 +99,7 @@ def one_step(kind: str, task: str = "causal_lm") -> dict:
                          gradient_accumulation_steps=GA, args_class=GradAccConfig if kind == "gradacc" else TrainingArguments,
                          per_device_eval_batch_size=EVAL_BS,
                          fsdp=True, fsdp_config={"version": 2, **WRAP.get(task, {})}, ddp_backend="gloo", use_cpu=True,
-                         parallelism_config=ParallelismConfig(cp_size=CP, dp_shard_size=dp))  # fmt: skip
+                         parallelism_config=mesh(dp))  # fmt: skip
     trainer_class, collate = (GradAccTrainer, PaddingCollator()) if kind == "gradacc" else (Trainer, stock_collate)
     try:
         trainer = trainer_class(model=model, args=args, train_dataset=ListDataset(samples), data_collator=collate)
@@ -109,7 +117,8 @@ def one_step(kind: str, task: str = "causal_lm") -> dict:
     reference = reference_gradients(build_tiny_model(task), samples, task, PaddingCollator())
     return {"update": compare(update, reference).__dict__, "moved": sum(int(u.abs().sum() > 0) for u in update.values()),
             "parameters": len(update), "cp_size": trainer.accelerator.parallelism_config.cp_size,
-            "cp_rank": trainer._cp.rank if kind == "gradacc" else None, **evaluation}  # fmt: skip
+            "cp_rank": trainer._cp.rank if kind == "gradacc" else None, **evaluation,
+            "mesh": mesh_from_accelerator(trainer.accelerator, trainer.model).describe()}  # fmt: skip
 
 
 def main() -> None:
