@@ -74,7 +74,7 @@ def check_options(opts: argparse.Namespace, env: dict[str, str] | None = None) -
 
     sp_size = sequence_parallel_size(env)
     if sp_size > 1:
-        check_sequence_parallel_options(opts, sp_size)
+        check_sequence_parallel_options(opts, sp_size, env)
         return
     if getattr(opts, "distributed_config", None) is None:
         return

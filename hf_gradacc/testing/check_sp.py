@@ -51,9 +51,27 @@ def sequence_parallel_size(env: Mapping[str, str] | None = None) -> int:
     return int(text) if text.isdigit() and int(text) > 1 else 1
 
 
-def check_sequence_parallel_options(opts: argparse.Namespace, sp_size: int) -> None:
-    """Refuse what the check cannot run under Ulysses (raises :class:`GradAccConfigError` naming the flag)."""
+def check_sequence_parallel_options(
+    opts: argparse.Namespace, sp_size: int, env: Mapping[str, str] | None = None, *, on_gpu: bool | None = None
+) -> None:
+    """Refuse what the check cannot run under Ulysses (raises :class:`GradAccConfigError` naming the flag or line)."""
+    env = os.environ if env is None else env
     line = f"`parallelism_config_sp_size: {sp_size}` in the accelerate config"
+    world = env.get("WORLD_SIZE", "1").strip()
+    if on_gpu is None:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    if not on_gpu and world.isdigit() and int(world) > sp_size:
+        # torch 2.13's differentiable all_gather (transformers' Ulysses loss) scatters from the group's rank i as if it
+        # were global rank i on gloo: every sequence group but the first fails ("Global rank 0 is not part of group")
+        raise GradAccConfigError(
+            f"`hf-gradacc check` under sequence parallelism on CPU ranks needs one sequence group: {world} processes "
+            f"with {line} make {int(world) // sp_size}, and the stock Trainer's Ulysses loss fails on gloo in every "
+            "group but the first (torch's differentiable all_gather: 'Global rank 0 is not part of group'). Launch "
+            f"{sp_size} processes (`num_processes: {sp_size}`, `parallelism_config_dp_replicate_size: 1`); on GPUs "
+            "(NCCL) any number of sequence groups runs"
+        )
     for flag, is_set in (
         ("--distributed_config", getattr(opts, "distributed_config", None) is not None),
         ("--plot", bool(getattr(opts, "plot", None))),

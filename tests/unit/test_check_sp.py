@@ -55,6 +55,18 @@ def test_options_it_cannot_run_under_sequence_parallelism_are_refused_by_name(ar
     check_options(_parse(), SP2)  # the default run
 
 
+def test_more_than_one_sequence_group_on_cpu_ranks_is_refused_by_name():
+    """On 4 CPU ranks (sp 2 x data 2) the stock Trainer's Ulysses loss failed in the second group's backward ("Global
+    rank 0 is not part of group": torch's differentiable all_gather scatters from global ranks on gloo)."""
+    from hf_gradacc.testing.check_sp import check_sequence_parallel_options
+
+    opts = _parse()
+    with pytest.raises(GradAccConfigError, match=r"4 processes .* make 2.*`num_processes: 2`"):
+        check_sequence_parallel_options(opts, 2, {**SP2, "WORLD_SIZE": "4"}, on_gpu=False)
+    check_sequence_parallel_options(opts, 2, {**SP2, "WORLD_SIZE": "4"}, on_gpu=True)
+    check_sequence_parallel_options(opts, 2, {**SP2, "WORLD_SIZE": "2"}, on_gpu=False)
+
+
 def test_accumulation_steps_must_be_a_multiple_of_sp_size():
     with pytest.raises(GradAccConfigError, match=r"`--gradient_accumulation_steps` \(3\) must be a multiple of `sp_size` \(2"):
         check_options(_parse("--gradient_accumulation_steps", "3"), SP2)
