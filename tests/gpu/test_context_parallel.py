@@ -51,12 +51,15 @@ def _launch(trainer: str) -> dict:
 
 def test_gradacc_context_parallel_step_is_the_full_batch_step():
     """cp 2 x FSDP2: each rank counts its chunks' targets, the loss is scaled by the 2 ranks FSDP2 averages over;
-    the update equals the float64 full-batch gradient, every parameter moved."""
+    the update equals the float64 full-batch gradient, every parameter moved; ``eval_loss`` after the step is the
+    float64 one of the unsharded batches."""
     result = _launch("gradacc")
     assert result["cp_size"] == 2, result
     assert result["update"]["relative_error"] <= TOLERANCE, result
     assert result["num_updated"] == result["num_parameters"], result
-    print("gradacc context parallel:", result["update"], result["device"], result["versions"])
+    # evaluation after the step: eval_loss of the batches cut over both ranks is the unsharded float64 one
+    assert abs(result["eval_loss"] / result["eval_reference"] - 1) <= TOLERANCE, result
+    print("gradacc context parallel:", result["update"], result["eval_loss"], result["device"], result["versions"])
 
 
 def test_stock_trainer_on_context_parallelism():

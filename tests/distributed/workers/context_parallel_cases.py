@@ -18,12 +18,26 @@ from transformers import Trainer
 
 from hf_gradacc import GradAccTrainer
 from hf_gradacc.testing.one_step import full_parameters, one_step_args
-from hf_gradacc.testing.reference import compare, reference_gradients
+from hf_gradacc.testing.reference import compare, float64_copy, full_batch_loss, reference_gradients
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 from tests.distributed.workers._common import finish_worker, write_result
 
 CP_SIZE = 2
 BS, GA = 2, 4  # one data rank (2 ranks / cp 2): the step holds BS x GA samples
+EVAL_BS = 3
+
+
+def eval_reference(parameters, samples) -> float:
+    """``eval_loss`` of the unsharded batches in float64 on the CPU (the tiny model with ``parameters``): each
+    batch's token mean, weighted by its rows."""
+    reference = float64_copy(build_tiny_model("causal_lm"))
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.copy_(parameters[name].cpu())
+    batches = [samples[i : i + EVAL_BS] for i in range(0, len(samples), EVAL_BS)]
+    with torch.no_grad():
+        means = [float(full_batch_loss(reference, PaddingCollator()(b), "causal_lm")) for b in batches]
+    return sum(m * len(b) for m, b in zip(means, batches, strict=True)) / len(samples)
 
 
 def stock_collate(samples):
@@ -46,14 +60,20 @@ def main() -> None:
     reference_model = build_tiny_model("causal_lm")
     samples = make_samples("causal_lm", BS * GA, seed=11)
     initial = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
-    args = one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=GA)
+    args = one_step_args(per_device_train_batch_size=BS, gradient_accumulation_steps=GA, per_device_eval_batch_size=EVAL_BS)
     trainer_class, collate = (GradAccTrainer, PaddingCollator()) if which == "gradacc" else (Trainer, stock_collate)
     trainer = trainer_class(model=model, args=args, train_dataset=ListDataset(samples), data_collator=collate)
     trainer.train()
     final = full_parameters(trainer)
     update = {n: initial[n] - final[n].float().cpu() for n in initial if n in final}
     reference = reference_gradients(reference_model, samples, "causal_lm", PaddingCollator())
+    evaluation = {}
+    if which == "gradacc":  # each batch's loss summed and counted over the cp ranks' chunks (ring attention)
+        eval_samples = make_samples("causal_lm", 4 * EVAL_BS, seed=7)
+        evaluation = {"eval_loss": trainer.evaluate(ListDataset(eval_samples))["eval_loss"],
+                      "eval_reference": eval_reference(final, eval_samples)}  # fmt: skip
     result = {
+        **evaluation,
         "update": compare(update, reference).__dict__,
         "cp_size": trainer.accelerator.parallelism_config.cp_size,
         "num_updated": sum(int(u.abs().sum() > 0) for u in update.values()),
