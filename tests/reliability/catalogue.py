@@ -649,6 +649,10 @@ CASES: list[Case] = [
          "GradAccDataError", ("padding before a real token", "padding_side"),
          result="when it is counted, before its step (torch's context parallelism drops the mask: real tokens "
          "would attend to the padding)"),
+    Case("cp_evaluation_with_logits", "`compute_metrics` (or `predict`) with `cp_size` 2", "error",
+         cp_cases.cp_evaluation_with_logits, "GradAccConfigError", ("`compute_metrics`", "`eval_loss` alone is exact"),
+         result="at the first evaluation batch (each rank holds a shard's logits; `eval_loss` alone is the unsharded "
+         "run's)"),
 ]
 
 

@@ -32,3 +32,9 @@ def cp_left_padding() -> None:
     batch = PaddingCollator()(make_samples("causal_lm", 3, seed=2))
     batch["attention_mask"] = batch["attention_mask"].flip(1)
     ContextParallel(size=2, rank=0).count_view(batch)
+
+
+def cp_evaluation_with_logits() -> None:
+    """`compute_metrics` / `predict` under cp 2 (``prediction_loss_only=False``): refused at the first evaluation batch,
+    before the batch is looked at."""
+    ContextParallel(size=2, rank=0).prediction_step(None, None, None, {}, prediction_loss_only=False)
