@@ -17,9 +17,8 @@ COUNT = "all_gather@hf_gradacc:all_gather<gather_window_counts<prefetched"
 FLAG = "all_reduce@hf_gradacc:agreed_nonfinite<must_skip<optimizer_step"
 NORM = "all_reduce@hf_gradacc:grad_sq_norms<clip_grad_norm<optimizer_step"
 LOG = "all_gather@hf_gradacc:all_gather<pop_means<log"  # loss/<term> and moe/load_max_over_mean, one gather
-# once per epoch, at its end: the loss since the last log line as the mean over the data ranks (what the Trainer adds
-# to the run's train_loss)
-EPOCH_END = "all_gather@hf_gradacc:all_gather<_run_epoch<train"
+# (not checked: once per epoch, at its end, ``all_gather<_run_epoch<train``, the loss since the last log line as the
+# mean over the data ranks, which the Trainer adds to the run's train_loss)
 
 
 def library(counted: dict) -> dict[str, int]:
