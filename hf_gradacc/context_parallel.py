@@ -224,9 +224,10 @@ class ContextParallel:
 def check_micro_batch(batch: Mapping[str, Any]) -> None:
     """Raise :class:`~hf_gradacc.GradAccDataError` for a micro-batch torch's context parallelism would compute
     wrongly or not at all: no ``input_ids``; a packed / padding-free row (``cu_seq_lens_q``, or ``position_ids`` that
-    restart inside a row: attention would cross samples once the mask is dropped); an ``attention_mask`` with padding
-    before a real token (left padding: real tokens would attend to it under ``is_causal=True``); another per-position
-    tensor the Trainer's entry does not shard."""
+    restart inside a row: attention would cross samples once the mask is dropped); an ``attention_mask`` that is not a
+    2-D padding mask, or with padding before a real token (left padding: real tokens would attend to it under
+    ``is_causal=True``); another per-position tensor the Trainer's entry does not shard. Called where a micro-batch
+    is counted, so the verdict rides on the step's count collective (every rank stops together)."""
     ids = batch.get("input_ids")
     if not torch.is_tensor(ids) or ids.dim() != 2:
         raise GradAccDataError(
@@ -240,7 +241,13 @@ def check_micro_batch(batch: Mapping[str, Any]) -> None:
             "micro-batches (turn off `pack_micro_batches` / `DataCollatorWithFlattening` / `padding_free`)."
         )
     mask = batch.get("attention_mask")
-    if torch.is_tensor(mask) and mask.dim() == 2 and bool((mask[:, 1:] > mask[:, :-1]).any()):
+    if torch.is_tensor(mask) and mask.dim() != 2:
+        raise GradAccDataError(
+            f"The micro-batch's `attention_mask` has {mask.dim()} dimensions (shape {list(mask.shape)}): under context "
+            "parallelism torch's `context_parallel` drops the mask for plain causal attention and the Trainer's entry "
+            "would leave it whole beside sharded input ids. Give a 2-D padding mask [rows, positions], right-padded."
+        )
+    if torch.is_tensor(mask) and bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise GradAccDataError(
             "The micro-batch's `attention_mask` has padding before a real token (left padding, or holes): torch's "
             "`context_parallel` drops the mask for plain causal attention, so real tokens would attend to that "

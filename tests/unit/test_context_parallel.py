@@ -304,6 +304,9 @@ def test_micro_batches_cp_cannot_compute_are_refused_by_name():
     with pytest.raises(GradAccDataError, match="padding_side"):
         check_micro_batch(left)
     width = batch["input_ids"].shape[1]
+    four_d = batch["attention_mask"][:, None, None, :].expand(-1, 1, width, -1).tril()
+    with pytest.raises(GradAccDataError, match="2-D padding mask"):  # the entry would keep it whole
+        check_micro_batch({**batch, "attention_mask": four_d})
     packed = {**batch, "position_ids": torch.arange(width).remainder(5).expand(3, -1)}
     with pytest.raises(GradAccDataError, match="packed"):
         check_micro_batch(packed)
