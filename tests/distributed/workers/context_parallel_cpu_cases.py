@@ -108,9 +108,10 @@ def one_step(kind: str, task: str = "causal_lm") -> dict:
     trainer.train()
     final = full_parameters(trainer)
     evaluation = {}
-    if kind == "gradacc" and task == "causal_lm":  # FSDP2 evaluates a prepared model: after the step
+    if task == "causal_lm":  # FSDP2 evaluates a prepared model: after the step (the stock Trainer's: by hand)
         evaluation = {"eval_loss": trainer.evaluate(ListDataset(eval_samples))["eval_loss"],
                       "eval_reference": eval_reference(final, eval_samples)}  # fmt: skip
+    if kind == "gradacc" and task == "causal_lm":
         trainer.data_collator = LeftPaddingOnRankOne()
         evaluation["refused_evaluate"] = refused(lambda: trainer.evaluate(ListDataset(eval_samples)))
     update = {n: initial[n] - final[n].float() for n in initial}
