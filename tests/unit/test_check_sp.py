@@ -45,6 +45,7 @@ def test_the_sequence_parallel_size_comes_from_the_accelerate_launch():
     [
         (["--trainer", "sft"], "--trainer sft"),
         (["--scenario", "moe_mixtral"], "--scenario moe_mixtral"),
+        (["--scenario", "plain_compute_loss"], "--scenario plain_compute_loss"),
         (["--distributed_config", "tp_size=2"], "--distributed_config"),
         (["--plot", "x.png"], "--plot"),
     ],
