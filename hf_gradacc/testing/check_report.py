@@ -234,7 +234,11 @@ def format_heads_report(setup: Setup, rows: Sequence[HeadResult], tolerance: flo
         f"Relative gradient error of each trainer's step (tolerance {tolerance:g}): the stock Trainer is wrong on "
         f"{len(wrong)} of {len(ran)} heads. "
         + (
-            "Even the plain causal LM, whose loss takes num_items_in_batch, is off with this transformers version "
+            "Even the plain causal LM is off: under sequence parallelism the stock Trainer computes the loss itself "
+            "(transformers' Ulysses loss, each micro-batch's mean over its targets, every micro-batch weighted alike), "
+            "not through num_items_in_batch. "
+            if causal_lm_wrong and setup.mesh.startswith("SP")
+            else "Even the plain causal LM, whose loss takes num_items_in_batch, is off with this transformers version "
             "(transformers 5.6 divides it by another count than the step's targets). "
             if causal_lm_wrong
             else "It is exact only when the model's own loss takes num_items_in_batch (a causal LM with a `labels` "

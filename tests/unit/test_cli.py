@@ -576,3 +576,23 @@ def test_the_heads_note_follows_the_causal_lm_row():
         text = " ".join(format_heads_report(setup, [clm, seq], 1e-5).split())
         assert phrase in text, text
         assert f"wrong on {1 + (stock is small)} of 2 heads" in text
+
+
+def test_the_heads_note_names_the_ulysses_loss_under_sequence_parallelism():
+    """Under SP the stock causal LM is off through transformers' own Ulysses loss, not num_items_in_batch: the note
+    says so there and keeps the transformers 5.6 wording elsewhere."""
+    from dataclasses import replace
+
+    from hf_gradacc.testing.check_report import HeadResult, Setup, format_heads_report
+    from hf_gradacc.testing.reference import Comparison
+
+    setup = Setup(task="every built-in head", model="built-in tiny models", model_class="", num_parameters=0,
+                  per_device_train_batch_size=2, gradient_accumulation_steps=4, world_size=2, num_samples=8,
+                  backend="DeepSpeed ZeRO-2", device="cpu", seed=0, versions={})  # fmt: skip
+    exact = Comparison(relative_error=3e-7, cosine=1.0, norm_ratio=1.0)
+    off = Comparison(relative_error=3.5, cosine=0.574, norm_ratio=3.97)
+    clm = HeadResult(key="causal_lm", options="--task causal_lm", task="causal_lm", stock=off, ours=exact)
+    sp = " ".join(format_heads_report(replace(setup, mesh="SP 2"), [clm], 1e-5).split())
+    assert "Ulysses loss" in sp and "transformers 5.6" not in sp, sp
+    plain = " ".join(format_heads_report(setup, [clm], 1e-5).split())
+    assert "transformers 5.6" in plain and "Ulysses" not in plain, plain
