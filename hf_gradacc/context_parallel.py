@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -211,6 +212,24 @@ class ContextParallel:
         whole = {n: replace(terms[n], total=summed[i].to(terms[n].total.dtype)) for i, n in enumerate(names)}
         return batch_mean_loss(whole, replace(counts, num_tokens=int(round(float(summed[-1])))), denominator)
 
+    def gather_for_metrics(
+        self, accelerator: Any, data_ranks: tuple[int, ...], data: Any, use_gather_object: bool = False
+    ) -> Any:
+        """accelerate's ``gather_for_metrics`` over the data ranks only (the trainer's ``gather_function`` under
+        context parallelism): the ranks of a ``cp`` group evaluate the same rows, so of a gathered tensor only the rows
+        of ``data_ranks`` (each group's ``cp`` rank 0, in data order) are kept, then the last batch's duplicates are
+        dropped as accelerate does. Gathered from every process, accelerate would keep ``cp_size`` copies of every
+        batch but only ``remainder`` rows of the last, partial one: its weight in ``eval_loss`` cut ``cp_size``
+        times. Anything but one tensor goes to accelerate's own."""
+        if use_gather_object or not torch.is_tensor(data):
+            return accelerator.gather_for_metrics(data, use_gather_object=use_gather_object)
+        gathered = accelerator.gather(data).reshape(accelerator.num_processes, -1, *data.shape[1:])
+        rows = gathered[list(data_ranks)].flatten(0, 1)
+        state = accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            rows = rows[: state.remainder]
+        return rows
+
     def custom_batch_mean(self, trainer: GradAccMixin, parsed: Any, batch: Mapping[str, Any]) -> torch.Tensor:
         """An overridden ``compute_loss``'s LossTerms (``parsed``, a :class:`~hf_gradacc.loss.LossOutput`) as one
         evaluation batch's mean: over ``batch``'s counts; under context parallelism over the counts of this rank's
@@ -348,8 +367,13 @@ def context_parallel_for(trainer: GradAccMixin, *, size: int | None = None, rank
             "returns is summed over the cp ranks (exact `eval_loss`); a plain tensor is each rank's chunk mean, "
             "averaged over the ranks: not the batch's mean."
         )
-    group_ranks = None
-    if rank is None:
-        cp_mesh = trainer.accelerator.torch_device_mesh["cp"]
-        rank, group_ranks = int(cp_mesh.get_local_rank()), tuple(int(r) for r in cp_mesh.mesh.flatten().tolist())
-    return ContextParallel(size=size, rank=rank, ignore_index=head.ignore_index, group_ranks=group_ranks)
+    if rank is not None:  # a simulated group (tests): the caller gathers
+        return ContextParallel(size=size, rank=rank, ignore_index=head.ignore_index)
+    mesh = trainer.accelerator.torch_device_mesh
+    cp_mesh = mesh["cp"]
+    rank, group_ranks = int(cp_mesh.get_local_rank()), tuple(int(r) for r in cp_mesh.mesh.flatten().tolist())
+    cp = ContextParallel(size=size, rank=rank, ignore_index=head.ignore_index, group_ranks=group_ranks)
+    # evaluation gathers one copy of each batch: the rows of every group's cp rank 0
+    data_ranks = tuple(sorted(int(r) for r in mesh.mesh.select(mesh.mesh_dim_names.index("cp"), 0).flatten().tolist()))
+    trainer.gather_function = partial(cp.gather_for_metrics, trainer.accelerator, data_ranks)
+    return cp

@@ -19,6 +19,7 @@ import contextlib
 import copy
 import json
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -171,7 +172,10 @@ def on_every_rank(trainers, exchange, work) -> list:
             results[rank] = work(*trainers[rank])
         except BaseException as error:  # noqa: BLE001 - handed back to the main thread
             errors[rank] = error
-            exchange.barrier.abort()  # a rank that raises unagreed leaves the others a broken barrier, not a hang
+            # A rank that raised unagreed leaves the others a broken barrier, not a hang; a moment later, so that a
+            # rank still leaving the collective both just finished (an agreed error) is not broken on its way out.
+            time.sleep(1.0)
+            exchange.barrier.abort()
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(len(trainers))]
     for thread in threads:
@@ -329,12 +333,17 @@ def test_sequence_classification_cannot_be_sharded():
         context_parallel_for(_fake_trainer(head_type="sequence_classification"))
 
 
+class _Mesh(dict):
+    """A device mesh stand-in: ``mesh["cp"]`` and the global ranks laid out by dimension."""
+
+
 def _fake_trainer(**changes):
     settings = dict(head_type="causal_lm", attn="sdpa", fused_lm_head=False, pack_micro_batches=False,
                     custom_step=False, router=False)  # fmt: skip
     settings.update(changes)
     config = SimpleNamespace(_attn_implementation=settings["attn"], output_router_logits=settings["router"])
-    mesh = {"cp": SimpleNamespace(get_local_rank=lambda: 1, mesh=torch.tensor([4, 5]))}  # cp ranks 4 and 5 of a world
+    mesh = _Mesh(cp=SimpleNamespace(get_local_rank=lambda: 1, mesh=torch.tensor([4, 5])))  # cp ranks 4 and 5 of 8
+    mesh.mesh, mesh.mesh_dim_names = torch.arange(8).reshape(2, 2, 2), ("dp_replicate", "dp_shard", "cp")
     return SimpleNamespace(
         accelerator=SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=2), torch_device_mesh=mesh),
         _prepare_context_parallel_inputs=None,
@@ -363,8 +372,10 @@ def test_settings_cp_cannot_hold_are_refused_at_construction(change, match):
 
 
 def test_a_causal_lm_gets_its_rank_in_the_cp_group():
-    cp = context_parallel_for(_fake_trainer())
+    trainer = _fake_trainer()
+    cp = context_parallel_for(trainer)
     assert (cp.size, cp.rank, cp.multiple, cp.group_ranks) == (2, 1, 4, (4, 5))
+    assert trainer.gather_function.args[1] == (0, 2, 4, 6)  # evaluation gathers every cp group's rank 0 only
 
 
 def test_backend_check_admits_cp_under_fsdp2_only():

@@ -93,7 +93,7 @@ def one_step(kind: str, task: str = "causal_lm") -> dict:
     dp = world_size() // CP
     model = build_tiny_model(task)
     samples = make_samples(task, BS * GA * dp, seed=5)
-    eval_samples = make_samples(task, 4 * EVAL_BS * dp, seed=7)
+    eval_samples = make_samples(task, 4 * EVAL_BS * dp + (dp == 1), seed=7)  # one data rank: a partial last batch
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = one_step_args(tempfile.mkdtemp(prefix="hf_gradacc_cp_"), per_device_train_batch_size=BS,
                          gradient_accumulation_steps=GA, args_class=GradAccConfig if kind == "gradacc" else TrainingArguments,
