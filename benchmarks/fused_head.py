@@ -2,7 +2,7 @@
 (:mod:`hf_gradacc.fused_head`) and, on request, torch's chunked ``F.linear_cross_entropy``: CPU time, peak memory,
 exactness, as a markdown table.
 
-    python benchmarks/fused_head.py                       # the five shapes of issue 26; about 15 min of CPU time
+    python benchmarks/fused_head.py                       # issue 26: five shapes x both .grad states; ~12 min CPU
     python benchmarks/fused_head.py --shapes 512x512x151936 --repeats 5 --markdown head.md --json head.json
     python benchmarks/fused_head.py --methods full_logits,hf_gradacc_tiles,torch_linear_cross_entropy
 

@@ -7,13 +7,15 @@ shift), and those rows go through the model's own output layer ``tile_rows`` at 
 respect to its hidden rows and the head's parameters) are computed as soon as its logits are, and the logits freed:
 the head holds at most one tile of logits, and nothing is recomputed in the backward pass, which only scales the
 gradients by the loss's incoming gradient (the loss is a SUM, linear in each tile's). For a plain ``nn.Linear`` head
-the weight's gradient is added into one buffer per micro-batch; any other output layer (PEFT adapters on the head)
-is called as a module and differentiated by autograd, tile by tile, so tied embeddings, a bias and adapters work as
-in the model's forward. The transforms transformers' causal LMs apply to their logits before the loss are applied
-per tile, in the model's dtype, before the float32 upcast (as the models and ``ForCausalLMLoss`` do): ``logit_scale``
-(Cohere), ``logits_scaling`` (Granite divides by it) and ``final_logit_softcapping`` (Gemma 2 and 3). The start-up
-loss check compares the result with the model's own loss on one row, so a transform not listed here stops training
-at the first micro-batch instead of training a different loss.
+the weight's gradient is added into one buffer per micro-batch (or, where its float32 ``.grad`` exists and nothing
+else needs autograd to deliver it, straight into ``.grad``: :mod:`hf_gradacc.fused_into_grad`); any other output
+layer (PEFT adapters on the head) is called as a module and differentiated by autograd, tile by tile, so tied
+embeddings, a bias and adapters work as in the model's forward. The transforms transformers' causal LMs apply to
+their logits before the loss are applied per tile, in the model's dtype, before the float32 upcast (as the models
+and ``ForCausalLMLoss`` do): ``logit_scale`` (Cohere), ``logits_scaling`` (Granite divides by it) and
+``final_logit_softcapping`` (Gemma 2 and 3). The start-up loss check compares the result with the model's own loss
+on one row, so a transform not listed here stops training at the first micro-batch instead of training a different
+loss.
 
 Why not ``torch.nn.functional.linear_cross_entropy`` (torch 2.13, chunked when given ``LinearCrossEntropyOptions``):
 it takes a weight, not a module, so softcapping (a non-linear transform between the matmul and the loss) and PEFT

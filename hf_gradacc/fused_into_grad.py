@@ -90,6 +90,8 @@ def into_grad_refusal(weight: torch.Tensor, wrapper: Any, head: Any = None) -> s
     """Why the fused head may NOT add its weight gradient straight into ``weight.grad`` now, or None when it may.
     ``wrapper``: the model as the training step called it (DDP, DeepSpeed's engine, ...; None: no wrapper known, then
     only a process without ``torch.distributed``); ``head``: the output layer module."""
+    if not weight.is_leaf:  # a computed weight (parametrizations): autograd delivers its gradient
+        return "not a leaf"
     grad = weight.grad
     if grad is None:
         return "no .grad yet"
