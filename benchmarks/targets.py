@@ -12,7 +12,7 @@ other processes on a shared machine do not inflate as they inflate the wall time
 vocabulary-96 targets flipped on a busy 2-core machine); ``--wall`` judges the wall time instead, and a file written
 before CPU time was recorded is judged on its wall time (said so). Given several files (runs of the same command),
 it also prints, per target, each run's verdict, whether they agree, and whether the margin from the limit is inside
-the spread between the runs (then the verdict is not settled by them).
+the spread of the runs and of their repeats (then the verdict is not settled by them).
 """
 
 from __future__ import annotations
@@ -141,11 +141,13 @@ def check(
 @dataclass(frozen=True)
 class Agreement:
     """One target over several runs (files): each run's ratio and verdict, whether the verdicts agree, and whether the
-    margin (the median ratio's distance from the limit) is inside the spread of the runs' ratios (then one more run
-    could flip the verdict: the target is level with its limit on this machine, not met or missed by a margin)."""
+    margin (the median ratio's distance from the limit) is inside the spread of the runs' ratios and of every repeat
+    within them (``repeats``; then one more run could flip the verdict: the target is level with its limit on this
+    machine, not met or missed by a margin)."""
 
     target: Target
     ratios: tuple[float, ...]
+    repeats: tuple[float, ...] = ()
 
     @property
     def verdicts(self) -> tuple[bool, ...]:
@@ -157,7 +159,8 @@ class Agreement:
 
     @property
     def spread(self) -> float:
-        return max(self.ratios) - min(self.ratios)
+        values = self.ratios + self.repeats
+        return max(values) - min(values)
 
     @property
     def margin(self) -> float:
@@ -174,16 +177,24 @@ class Agreement:
         return text + (": the margin is inside the spread)" if self.margin_inside_spread else ")")
 
 
-def agreement(runs: Sequence[Sequence[tuple[Target, float, str]]]) -> list[Agreement]:
+def agreement(
+    runs: Sequence[Sequence[tuple[Target, float, str]]],
+    repeats: Sequence[Sequence[tuple[Target, float, str]]] = (),
+) -> list[Agreement]:
     """Every target :func:`check` measured in more than one of ``runs`` (one :func:`check` result per file), in the
-    order of :data:`TARGETS`."""
+    order of :data:`TARGETS`; ``repeats``: :func:`check` of each repeat of each file alone (their ratios widen the
+    spread)."""
     ratios: dict[str, list[float]] = {}
+    within: dict[str, list[float]] = {}
     by_name: dict[str, Target] = {}
     for results in runs:
         for target, ratio, _ in results:
             ratios.setdefault(target.name, []).append(ratio)
             by_name[target.name] = target
-    return [Agreement(by_name[n], tuple(r)) for n, r in ratios.items() if len(r) > 1]
+    for results in repeats:
+        for target, ratio, _ in results:
+            within.setdefault(target.name, []).append(ratio)
+    return [Agreement(by_name[n], tuple(r), tuple(within.get(n, ()))) for n, r in ratios.items() if len(r) > 1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -192,12 +203,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wall", action="store_true", help="judge the wall time (a quiet machine), not the CPU time")
     args = parser.parse_args(argv)
     failed = 0
-    runs = []
+    runs, repeats = [], []
     for path in args.json:
         with open(path) as f:
             rows = json.load(f)["rows"]
         results = check(rows, wall=args.wall)
         runs.append(results)
+        for repeat in sorted({r.get("repeat", 0) for r in rows}):
+            repeats.append(check([r for r in rows if r.get("repeat", 0) == repeat], wall=args.wall))
         key = time_key(rows, wall=args.wall)
         if key == WALL and not args.wall:
             print(f"note: {path} has no CPU time (written before it was recorded): judged on the wall time")
@@ -211,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for target in TARGETS:
             if target.name not in checked:
                 print(f"skipped {target.name}: no {target.dataset} rows at vocabulary {target.vocab_size} [{path}]")
-    for agreed in agreement(runs):
+    for agreed in agreement(runs, repeats):
         print(f"{agreed.target.name}: {agreed}")
     return 1 if failed else 0
 

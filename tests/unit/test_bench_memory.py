@@ -197,6 +197,10 @@ def test_bench_targets_say_whether_two_runs_agree_and_whether_the_margin_is_nois
     assert not equal.margin_inside_spread  # 0.04 from the limit 1.05, runs 0.02 apart
     assert long.verdicts == (True, False) and not long.agree and long.margin_inside_spread  # 0.01 from it, 0.06 apart
     assert targets.agreement(runs[:1]) == []  # one run: nothing to agree on
+    # the repeats within the runs widen the spread: runs 0.02 apart whose repeats span 0.92-1.04 do not settle 0.04
+    repeats = [targets.check(run(0.92, 0.96)), targets.check(run(1.04, 0.96))]
+    wide = {a.target.dataset: a for a in targets.agreement(runs, repeats)}["equal"]
+    assert wide.agree and wide.spread == pytest.approx(0.12) and wide.margin_inside_spread
     paths = []
     for i, rows in enumerate((run(1.00, 0.96), run(1.02, 1.02))):
         paths.append(tmp_path / f"run{i}.json")
@@ -205,3 +209,9 @@ def test_bench_targets_say_whether_two_runs_agree_and_whether_the_margin_is_nois
     out = capsys.readouterr().out
     assert "same verdict in 2 runs: 1.000 met / 1.020 met" in out
     assert "VERDICTS DIFFER in 2 runs: 0.960 met / 1.020 NOT MET" in out and "margin is inside the spread" in out
+    # files written with --repeats: each repeat of each file widens the spread main() prints
+    for i, (first, second) in enumerate(((0.92, 1.08), (0.96, 1.04))):
+        rows = [dict(r, repeat=k) for k, v in enumerate((first, second)) for r in run(v, 0.96)]
+        paths[i].write_text(json.dumps({"rows": rows}))
+    targets.main([str(p) for p in paths])
+    assert "same verdict in 2 runs: 1.000 met / 1.000 met (limit 1.05; spread 0.160" in capsys.readouterr().out
