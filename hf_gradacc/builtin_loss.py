@@ -14,6 +14,7 @@ from transformers.utils import logging
 from .auxiliary import model_aux_terms
 from .checks import LossCheck, agree, check_builtin
 from .errors import GradAccConfigError, GradAccDataError, GradAccLossError
+from .fused_check_row import CheckRow, check_row
 from .fused_head import fused_causal_lm_sum, fused_row_check
 from .heads import Head, input_token_count, unwrap_model
 from .loss import LossOutput, LossTerm, causal_targets, model_labels
@@ -159,7 +160,11 @@ def _fused_loss(
     # the Trainer's label smoothing per tile; the start-up row check compares without it (the model's own loss has none)
     result = fused_causal_lm_sum(model, inputs, targets, ignore_index=ignore, label_smoothing=head.label_smoothing)
     if check:  # every rank runs it (its forwards gather sharded weights) and every rank stops if one rank's fails
-        pair = fused_row_check(model, inputs, targets, labels=labels, shift_labels=shift_labels, ignore_index=ignore)
+        causal = head.type == "causal_lm"  # the check's row cut to its first targets: fewer full logits
+        one = (check_row(inputs, targets, labels, shift_labels, ignore_index=ignore) if causal else None) or CheckRow(
+            inputs, targets, labels, shift_labels)  # fmt: skip
+        pair = fused_row_check(model, one.inputs, one.targets, labels=one.labels, shift_labels=one.shift_labels,
+                               ignore_index=ignore)  # fmt: skip
         verdict = check_builtin(pair[0], torch.tensor(pair[1])) if pair is not None else LossCheck()
         try:
             agree(verdict, _all_gather_rows, targets.device)
