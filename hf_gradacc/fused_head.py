@@ -615,8 +615,8 @@ def fused_row_check(
     shift_labels: torch.Tensor | None,
     ignore_index: int,
 ) -> tuple[float, float] | None:
-    """The start-up check of the fused head on ONE row (the first with a counted target), without gradient: the
-    model's own loss of that row (its forward with the labels: the full logits of one row, no graph; minus the router
+    """The start-up check of the fused head on ONE row (the first with a counted target; for a causal LM cut after its
+    first 32 counted targets by :mod:`hf_gradacc.fused_check_row`), without gradient: the model's own loss of that row (its forward with the labels: the full logits of one row, no graph; minus the router
     terms it adds, for a mixture of experts) and the fused reconstruction of the same row (its sum over its count).
     None when no row has a counted target or the model computes no loss.
 
