@@ -10,6 +10,9 @@ where the data ranks are ``dp_replicate_size x fsdp_size``. A head whose model h
 Under an accelerate launch with DeepSpeed Ulysses sequence parallelism (``parallelism_config_sp_size`` > 1) the
 check's collator and trainers come from :mod:`hf_gradacc.testing.check_sp` (:func:`mesh_collator`,
 :func:`mesh_trainer_classes`) and the data ranks are the world over ``sp_size``.
+Under context parallelism (``parallelism_config_cp_size`` > 1, FSDP2) the collator pads to a multiple of
+``2 x cp_size`` and the options are checked by :mod:`hf_gradacc.testing.check_cp`; the data ranks are the world over
+``cp_size``.
 
 Example:
     ```bash
@@ -59,19 +62,26 @@ def parse_distributed_config(text: str) -> dict[str, int]:
 
 def data_ranks(sizes: dict[str, int] | None, world_size: int, env: dict[str, str] | None = None) -> int:
     """The ranks that hold different samples: ``dp_replicate_size x fsdp_size`` with ``sizes``; else the world over
-    the sequence-parallel size of the accelerate launch (its ranks hold slices of the same samples)."""
+    the sequence- and context-parallel sizes of the accelerate launch (their ranks hold slices of the same
+    samples)."""
     if not sizes:
+        from .check_cp import context_parallel_size
         from .check_sp import sequence_parallel_size
 
-        return max(1, world_size // sequence_parallel_size(env))
+        return max(1, world_size // (sequence_parallel_size(env) * context_parallel_size(env)))
     return sizes.get("dp_replicate_size", 1) * sizes.get("fsdp_size", 1)
 
 
 def check_options(opts: argparse.Namespace, env: dict[str, str] | None = None) -> None:
-    """Refuse what ``--distributed_config`` cannot be combined with, and what a sequence-parallel launch cannot run
-    (raises :class:`GradAccConfigError`)."""
+    """Refuse what ``--distributed_config`` cannot be combined with, and what a sequence- or context-parallel launch
+    cannot run (raises :class:`GradAccConfigError`)."""
+    from .check_cp import check_context_parallel_options, context_parallel_size
     from .check_sp import check_sequence_parallel_options, sequence_parallel_size
 
+    cp_size = context_parallel_size(env)
+    if cp_size > 1:
+        check_context_parallel_options(opts, cp_size)
+        return
     sp_size = sequence_parallel_size(env)
     if sp_size > 1:
         check_sequence_parallel_options(opts, sp_size, env)
@@ -88,25 +98,35 @@ def check_options(opts: argparse.Namespace, env: dict[str, str] | None = None) -
 
 
 def mesh_collator(collator: Callable, samples: Sequence[dict[str, Any]]) -> Callable:
-    """The check's collator on this launch's mesh: under Ulysses sequence parallelism one width for every
-    micro-batch (a multiple of ``sp_size``, agreed over the ranks) and ``position_ids``; else ``collator``.
+    """The check's collator on this launch's mesh: under context parallelism every micro-batch right-padded to a
+    multiple of ``2 x cp_size``; under Ulysses sequence parallelism one width for every micro-batch (a multiple of
+    ``sp_size``, agreed over the ranks) and ``position_ids``; else ``collator``.
 
     Every rank calls it (under sequence parallelism it agrees the width with a collective).
     """
+    from .check_cp import ContextParallelCollator, context_parallel_size
     from .check_sp import sequence_parallel_collator, sequence_parallel_size
 
+    cp_size = context_parallel_size()
+    if cp_size > 1:
+        return ContextParallelCollator(collator, cp_size=cp_size)
     sp_size = sequence_parallel_size()
     return sequence_parallel_collator(collator, samples, sp_size) if sp_size > 1 else collator
 
 
 def mesh_trainer_classes(classes: Sequence[tuple[str, type]]) -> list[tuple[str, type]]:
-    """The trainer classes by name, under sequence parallelism each set up for it (DeepSpeed's groups released
-    between trainers; on a CPU host contiguous inputs: :func:`hf_gradacc.testing.check_sp.sequence_parallel_trainer`);
-    else as they are."""
+    """The trainer classes by name: under context parallelism each refusing a head other than a causal LM by name
+    (:func:`hf_gradacc.testing.check_cp.context_parallel_trainer`); under sequence parallelism each set up for it
+    (DeepSpeed's groups released between trainers; on a CPU host contiguous inputs:
+    :func:`hf_gradacc.testing.check_sp.sequence_parallel_trainer`); else as they are."""
     import torch
 
+    from .check_cp import context_parallel_size, context_parallel_trainer
     from .check_sp import sequence_parallel_size, sequence_parallel_trainer
 
+    cp_size = context_parallel_size()
+    if cp_size > 1:
+        return [(name, context_parallel_trainer(cls, cp_size)) for name, cls in classes]
     if sequence_parallel_size() == 1:
         return list(classes)
     contiguous = not torch.cuda.is_available()

@@ -67,3 +67,25 @@ def test_stock_trainer_on_context_parallelism():
     result = _launch("stock")
     assert result["cp_size"] == 2 and result["num_updated"] > 0
     print("stock context parallel:", result["update"], result["device"], result["versions"])
+
+
+def test_hf_gradacc_check_on_context_parallelism():
+    """`accelerate launch --config_file cp_fsdp2.yaml -m hf_gradacc check` with torch's own ring attention: the header
+    names the mesh and 1 data rank (of 2 processes), both causal LM rows exact for GradAccTrainer (the stock Trainer's
+    numbers printed beside them), every other head a row refusing it under context parallelism."""
+    report = Path(tempfile.mkdtemp(prefix="cp_check_")) / "check.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
+               "--main_process_port", str(find_free_port()), "-m", "hf_gradacc", "check", "--json", str(report)]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    payload = json.loads(report.read_text())
+    assert payload["setup"]["mesh"].startswith("CP 2") and payload["setup"]["data_ranks"] == 1, payload["setup"]
+    assert "x 1 data rank (of 2 processes)" in done.stdout, done.stdout
+    heads = payload["heads"]
+    for key in ("causal_lm", "causal_lm_no_loss_kwargs"):
+        assert heads[key]["results"]["GradAccTrainer"]["relative_error"] <= TOLERANCE, heads[key]
+        assert heads[key]["results"]["Trainer"]["relative_error"] >= 0, heads[key]
+    refused = {k: h["skipped"] for k, h in heads.items() if not k.startswith("causal_lm")}
+    assert refused and all("under context parallelism" in why for why in refused.values()), refused
+    print("hf-gradacc check, context parallel:", {k: heads[k]["results"] for k in ("causal_lm", "causal_lm_no_loss_kwargs")})

@@ -3,7 +3,9 @@ attention through :mod:`cpu_context_parallel`'s exact all-gather stand-in for to
 step of GradAccTrainer (and, with ``stock`` in the arguments, of the stock Trainer) against the float64 full batch,
 after an evaluation whose ``eval_loss`` is compared with the float64 one of the unsharded batches; then a sequence
 classifier, refused at construction, and left-padded batches on rank 1 only (its ranks must all stop, agreed, in
-training and in evaluation, none waiting in a collective). Writes ``cp.rank<r>.json``.
+training and in evaluation, none waiting in a collective); last, ``hf-gradacc check`` in this process under the
+environment ``accelerate launch`` gives the shipped ``cp_fsdp2.yaml`` (the stand-in attention installed; the check
+tears the process group down). Writes ``cp.rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -122,14 +124,50 @@ def one_step(kind: str, task: str = "causal_lm") -> dict:
             "mesh": mesh_from_accelerator(trainer.accelerator, trainer.model).describe()}  # fmt: skip
 
 
+def run_check() -> dict:
+    """`hf-gradacc check` (every built-in head) as ``accelerate launch --config_file cp_fsdp2.yaml`` would run it here:
+    that launch's ``ACCELERATE_USE_*`` / ``FSDP_*`` / ``PARALLELISM_CONFIG_*`` variables (accelerate's own
+    ``prepare_multi_gpu_env``), ``HF_GRADACC_CPU_DISTRIBUTED=1``; its exit status, printed report and JSON."""
+    import argparse
+    import contextlib
+    import io
+    import json
+    from pathlib import Path
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from hf_gradacc.commands.check import check_command, check_command_parser
+
+    config = Path(__file__).resolve().parents[3] / "examples" / "accelerate_configs" / "cp_fsdp2.yaml"
+    launch = launch_command_parser().parse_args(["--config_file", str(config), "--num_processes", str(world_size()), "x"])
+    launch_env = prepare_multi_gpu_env(_validate_launch_command(launch)[0])
+    os.environ.update({k: v for k, v in launch_env.items()
+                       if k.startswith(("ACCELERATE_USE_", "FSDP_", "PARALLELISM_CONFIG_"))})  # fmt: skip
+    os.environ["HF_GRADACC_CPU_DISTRIBUTED"] = "1"
+    parser = argparse.ArgumentParser(prog="hf-gradacc")
+    check_command_parser(parser.add_subparsers(dest="command"))
+    report = f"{tempfile.mkdtemp(prefix='check_cp_')}/check.json"
+    opts = parser.parse_args(["check", "--json", report])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = check_command(opts)
+    payload = {"status": status, "stdout": printed.getvalue()}
+    if rank() == 0:
+        payload["json"] = json.loads(Path(report).read_text())
+    return payload
+
+
 def main() -> None:
     install()
     enable_fsdp_on_cpu()
     torch.manual_seed(0)
     kinds = sys.argv[1:] or ["gradacc"]  # "stock": the stock Trainer on the same launch (recorded by hand)
-    result = {kind: one_step(kind) for kind in kinds}
+    result = {kind: one_step(kind) for kind in kinds if kind != "check"}
     result["sequence_classification"] = one_step("gradacc", "sequence_classification")
     result["refused_train"] = refused_in_training()
+    if "check" in kinds or not sys.argv[1:]:
+        result["check"] = run_check()  # last: the check tears the process group down
     write_result("cp", result)
     finish_worker(0)
 
