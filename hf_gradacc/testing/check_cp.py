@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,11 +40,9 @@ def context_parallel_size(env: Mapping[str, str] | None = None) -> int:
         context_parallel_size({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"})  # 2
         ```
     """
-    env = os.environ if env is None else env
-    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").strip().lower() != "true":
-        return 1  # accelerate reads the PARALLELISM_CONFIG_* variables only with this one set
-    text = env.get("PARALLELISM_CONFIG_CP_SIZE", "1").strip()
-    return int(text) if text.isdigit() and int(text) > 1 else 1
+    from .check_sp import launch_parallelism_size
+
+    return launch_parallelism_size("cp", env)
 
 
 def cpu_attention_can_be_sharded() -> bool:

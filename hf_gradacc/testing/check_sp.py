@@ -47,10 +47,15 @@ def sequence_parallel_size(env: Mapping[str, str] | None = None) -> int:
         sequence_parallel_size({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2"})  # 2
         ```
     """
+    return launch_parallelism_size("sp", env)
+
+
+def launch_parallelism_size(dimension: str, env: Mapping[str, str] | None = None) -> int:
+    """``parallelism_config_<dimension>_size`` of the accelerate launch (``"sp"``, ``"cp"``), 1 without one."""
     env = os.environ if env is None else env
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").strip().lower() != "true":
         return 1  # accelerate reads the PARALLELISM_CONFIG_* variables only with this one set
-    text = env.get("PARALLELISM_CONFIG_SP_SIZE", "1").strip()
+    text = env.get(f"PARALLELISM_CONFIG_{dimension.upper()}_SIZE", "1").strip()
     return int(text) if text.isdigit() and int(text) > 1 else 1
 
 
