@@ -84,19 +84,9 @@ def check_context_parallel_options(
             "), so no trainer can take a step here. Run it on 2 or more CUDA devices (the GPU tier: "
             "tests/gpu/test_context_parallel.py), or launch without the `parallelism_config_cp_size` line"
         )
-    for flag, is_set in (
-        ("--distributed_config", getattr(opts, "distributed_config", None) is not None),
-        ("--plot", bool(getattr(opts, "plot", None))),
-        (f"--trainer {opts.trainer}", opts.trainer != "trainer"),
-        (f"--scenario {opts.scenario}", opts.scenario not in SCENARIOS),
-        (f"--loss-type {getattr(opts, 'loss_type', None)}", bool(getattr(opts, "loss_type", None))),
-    ):
-        if is_set:
-            raise GradAccConfigError(
-                f"`{flag}` is not supported under context parallelism ({line}): the check runs one step of "
-                "transformers' Trainer and GradAccTrainer on the built-in heads or a causal LM `--model`; drop the flag "
-                "or launch without the `parallelism_config_cp_size` line"
-            )
+    from .check_sp import refuse_mesh_flags
+
+    refuse_mesh_flags(opts, SCENARIOS, f"context parallelism ({line})", "the `parallelism_config_cp_size` line")
 
 
 class ContextParallelCollator:

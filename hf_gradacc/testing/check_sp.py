@@ -59,6 +59,23 @@ def launch_parallelism_size(dimension: str, env: Mapping[str, str] | None = None
     return int(text) if text.isdigit() and int(text) > 1 else 1
 
 
+def refuse_mesh_flags(opts: argparse.Namespace, scenarios: Sequence[str], where: str, lines: str) -> None:
+    """The flags ``hf-gradacc check`` does not run on a sequence- or context-parallel mesh (``where``): a
+    :class:`GradAccConfigError` naming the first one set, and the config ``lines`` to drop instead."""
+    for flag, is_set in (
+        ("--distributed_config", getattr(opts, "distributed_config", None) is not None),
+        ("--plot", bool(getattr(opts, "plot", None))),
+        (f"--trainer {opts.trainer}", opts.trainer != "trainer"),
+        (f"--scenario {opts.scenario}", opts.scenario not in scenarios),
+        (f"--loss-type {getattr(opts, 'loss_type', None)}", bool(getattr(opts, "loss_type", None))),
+    ):
+        if is_set:
+            raise GradAccConfigError(
+                f"`{flag}` is not supported under {where}: the check runs one step of transformers' Trainer and "
+                f"GradAccTrainer on the built-in heads or a causal LM `--model`; drop the flag or launch without {lines}"
+            )
+
+
 def check_sequence_parallel_options(
     opts: argparse.Namespace, sp_size: int, env: Mapping[str, str] | None = None, *, on_gpu: bool | None = None
 ) -> None:
@@ -80,19 +97,7 @@ def check_sequence_parallel_options(
             f"{sp_size} processes (`num_processes: {sp_size}`, `parallelism_config_dp_replicate_size: 1`); on GPUs "
             "(NCCL) any number of sequence groups runs"
         )
-    for flag, is_set in (
-        ("--distributed_config", getattr(opts, "distributed_config", None) is not None),
-        ("--plot", bool(getattr(opts, "plot", None))),
-        (f"--trainer {opts.trainer}", opts.trainer != "trainer"),
-        (f"--scenario {opts.scenario}", opts.scenario not in SCENARIOS),
-        (f"--loss-type {getattr(opts, 'loss_type', None)}", bool(getattr(opts, "loss_type", None))),
-    ):
-        if is_set:
-            raise GradAccConfigError(
-                f"`{flag}` is not supported under sequence parallelism ({line}): the check runs one step of "
-                "transformers' Trainer and GradAccTrainer on the built-in heads or a causal LM `--model`; drop the flag "
-                "or launch without the `parallelism_config_sp_*` lines"
-            )
+    refuse_mesh_flags(opts, SCENARIOS, f"sequence parallelism ({line})", "the `parallelism_config_sp_*` lines")
     if opts.gradient_accumulation_steps % sp_size:
         raise GradAccConfigError(
             f"`--gradient_accumulation_steps` ({opts.gradient_accumulation_steps}) must be a multiple of `sp_size` "
