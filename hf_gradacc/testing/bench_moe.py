@@ -42,27 +42,14 @@ def moe_trainer_kwargs(name: str) -> dict[str, Any]:
     return {"router_balance": {"moe_micro": "micro_batch", "moe_global": "global_batch"}[name]}
 
 
-def build_bench_moe_model(settings: Any) -> torch.nn.Module:
-    """A randomly initialised Mixtral causal LM of the bench's size (a BenchSettings): 4 experts, top-2, its own
-    balance loss (coefficient 0.02) in its loss, dropout off."""
+def build_bench_moe_model(dims: dict[str, Any]) -> torch.nn.Module:
+    """A randomly initialised Mixtral causal LM of the bench's size (``dims``: the config fields the bench's Llama
+    takes; the caller seeds torch): 4 experts, top-2, its own balance loss (coefficient 0.02) in its loss, dropout
+    off."""
     import transformers as tf
 
-    torch.manual_seed(settings.seed)
-    config = tf.MixtralConfig(
-        vocab_size=settings.vocab_size,
-        hidden_size=settings.hidden_size,
-        intermediate_size=2 * settings.hidden_size,
-        num_hidden_layers=settings.num_layers,
-        num_attention_heads=settings.num_heads,
-        num_key_value_heads=max(1, settings.num_heads // 2),
-        max_position_embeddings=max(settings.max_length, settings.equal_length),
-        num_local_experts=NUM_EXPERTS,
-        num_experts_per_tok=2,
-        router_aux_loss_coef=ROUTER_AUX_LOSS_COEF,
-        output_router_logits=True,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
+    config = tf.MixtralConfig(**dims, num_local_experts=NUM_EXPERTS, num_experts_per_tok=2,
+                              router_aux_loss_coef=ROUTER_AUX_LOSS_COEF, output_router_logits=True)  # fmt: skip
     return tf.MixtralForCausalLM(config)
 
 

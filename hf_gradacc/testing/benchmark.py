@@ -200,21 +200,21 @@ def build_bench_model(settings: BenchSettings) -> torch.nn.Module:
     Mixtral of that size where ``settings.trainers`` names a mixture-of-experts row (:mod:`.bench_moe`)."""
     import transformers as tf
 
-    if bench_moe.uses_moe(settings.trainers):
-        return bench_moe.build_bench_moe_model(settings)
+    dims = {
+        "vocab_size": settings.vocab_size,
+        "hidden_size": settings.hidden_size,
+        "intermediate_size": 2 * settings.hidden_size,
+        "num_hidden_layers": settings.num_layers,
+        "num_attention_heads": settings.num_heads,
+        "num_key_value_heads": max(1, settings.num_heads // 2),
+        "max_position_embeddings": max(settings.max_length, settings.equal_length),
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
     torch.manual_seed(settings.seed)
-    config = tf.LlamaConfig(
-        vocab_size=settings.vocab_size,
-        hidden_size=settings.hidden_size,
-        intermediate_size=2 * settings.hidden_size,
-        num_hidden_layers=settings.num_layers,
-        num_attention_heads=settings.num_heads,
-        num_key_value_heads=max(1, settings.num_heads // 2),
-        max_position_embeddings=max(settings.max_length, settings.equal_length),
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    return tf.LlamaForCausalLM(config)
+    if bench_moe.uses_moe(settings.trainers):
+        return bench_moe.build_bench_moe_model(dims)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**dims))
 
 
 # ---------------------------------------------------------------------------------------------- turns
