@@ -40,6 +40,8 @@ from torch.autograd.function import once_differentiable
 from .errors import GradAccLossError, GradAccUsageError
 from .fused_into_grad import Written
 from .fused_into_grad import begin as into_grad_begin
+from .fused_into_grad import keep_buffer as into_grad_keep
+from .fused_into_grad import kept_buffer as into_grad_kept
 from .fused_into_grad import observe as into_grad_observe
 from .loss import IGNORE_INDEX, model_labels
 
@@ -181,11 +183,14 @@ def fused_cross_entropy_sum(
     if linear and transform.softcap is None and label_smoothing == 0.0:  # the softmax written by hand, wider tiles
         step = tile_rows or rows_per_tile(rows, int(hidden.shape[-1]), vocab)
         rows_in, scale = hidden.detach(), transform.scale
-        written = None
+        written = kept = None
         if into_grad and module.weight.requires_grad:
             written = into_grad_begin(module.weight, wrapper, module, lambda: _linear_tiles(
                 rows_in, targets, module, scale, ignore_index, step, False)[1][1])  # fmt: skip
-        total, grads = _linear_tiles(rows_in, targets, module, scale, ignore_index, step, wants_hidden, written)
+            kept = None if written is not None else into_grad_kept(module.weight, wrapper, module)
+        total, grads = _linear_tiles(rows_in, targets, module, scale, ignore_index, step, wants_hidden, written, kept)
+        if into_grad and written is None and module.weight.requires_grad:
+            into_grad_keep(module.weight, grads[1], wrapper, module)  # for the next window's first micro-batch
         return _ScaledGradients.apply(total, grads, (written, module.weight), hidden, *params)
     grad_hidden = torch.zeros_like(hidden) if wants_hidden else None
     grad_params: list[torch.Tensor | None] = [None] * len(params)
@@ -272,6 +277,7 @@ def _linear_tiles(
     step: int,
     wants_hidden: bool,
     into: Written | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
     """Every tile of ``step`` rows through a plain linear head, the softmax written by hand: the cross-entropy SUM of
     ``head(hidden) * scale`` (scaled in the weight's dtype, then float32, as the models and their loss do), and the
@@ -284,7 +290,8 @@ def _linear_tiles(
     weight's (added into one buffer). A row whose target is ``ignore`` gets a zero gradient and no loss. No tensor of
     the tile's size is allocated per tile: a fresh one costs its page faults again, a tenth of the tile's time at
     151,936 tokens. With ``into``, the weight's gradient is added into ``into.grad`` (times ``into.alpha``) instead,
-    and its slot in the result is None."""
+    and its slot in the result is None; with ``out`` (a float32 buffer of the weight's shape, whatever it holds), the
+    weight's gradient is written into it rather than into a new one."""
     weight = module.weight.detach()
     bias = None if module.bias is None else module.bias.detach()
     wants_weight = module.weight.requires_grad and into is None
@@ -295,7 +302,9 @@ def _linear_tiles(
     logits = torch.empty(size, vocab, dtype=torch.float32, device=device)
     raw = torch.empty(size, vocab, dtype=weight.dtype, device=device) if low else logits
     grad_hidden = torch.empty_like(hidden) if wants_hidden else None  # every row is written below
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if wants_weight and not rows else None
+    grad_weight = None
+    if wants_weight and not rows:
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if out is None else out.zero_()
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if wants_bias else None
     ignored = torch.nonzero(targets == ignore)[:, 0]  # once, not per tile (a host sync on an accelerator)
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -330,8 +339,8 @@ def _linear_tiles(
             into.grad.addmm_(z.t(), part, alpha=into.alpha)
         elif wants_weight:  # summed over the tiles in float32, also for a 16-bit weight
             part32 = part.float()
-            if grad_weight is None:
-                grad_weight = torch.mm(z.t(), part32)
+            if grad_weight is None:  # the first tile writes every element: a kept buffer needs no zeroing
+                grad_weight = torch.mm(z.t(), part32) if out is None else torch.mm(z.t(), part32, out=out)
             else:
                 grad_weight.addmm_(z.t(), part32)
         if grad_bias is not None:

@@ -26,11 +26,23 @@ adds it in place.
 A fused loss computed with gradient whose backward pass never runs would leave ``e * G`` in ``.grad``: the next fused
 forward pass on that weight raises :class:`~hf_gradacc.GradAccUsageError` (unless ``.grad`` was reset or zeroed in
 between, as a retried window does).
+
+**The first micro-batch of a window** has no ``.grad`` (``zero_grad(set_to_none=True)`` dropped it after the optimizer
+step), so the tiles write the weight's gradient into a new float32 buffer that autograd adopts as ``.grad``. On CPU a
+new buffer of that size costs its page faults on first touch (the 250 MiB of hidden 2,048 x vocabulary 32,000: about
+0.1-0.2 s of one core, 10 % of the head's time there). Inside :func:`keeping_buffers` (GradAccTrainer's training
+loop) the buffer is kept when ``.grad`` is dropped and the next window's first micro-batch writes into it (its first
+tile overwrites it: no zeroing pass). It is reused only when nothing else holds its memory (a gradient someone kept
+is never overwritten), for a float32 leaf weight on CPU without hooks, in a process without several ranks; it is let
+go when a micro-batch runs without the fused head, when evaluation or a checkpoint save begins, and when training
+ends. It costs no peak: the buffer is the ``.grad`` it was, and the fused head makes it again at the end of the next
+forward pass; between the two only the optimizer step's end and the next forward's layers run, which hold less.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,17 +56,22 @@ from .errors import GradAccUsageError
 _LAST_SCALE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # weights whose in-place write was never settled by a backward pass (the value: a description for the error)
 _ABANDONED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# each weight's last float32 gradient buffer, kept past `zero_grad(set_to_none=True)` inside keeping_buffers()
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_KEEPING = [0]  # nesting depth of keeping_buffers()
 
 
 @dataclass(slots=True)
 class IntoGradStats:
     """How often the in-place write was taken (``written``), settled without work (``exact``), corrected in the
-    backward pass (``corrected``), or refused in the forward pass (``refused``, by reason). For tests and benchmarks."""
+    backward pass (``corrected``), or refused in the forward pass (``refused``, by reason); how often a first
+    micro-batch reused the buffer kept from the last window (``reused``). For tests and benchmarks."""
 
     written: int = 0
     exact: int = 0
     corrected: int = 0
     refused: dict[str, int] | None = None
+    reused: int = 0  # a first micro-batch wrote into the buffer kept from the last window
 
     def refuse(self, reason: str) -> None:
         self.refused = self.refused or {}
@@ -86,6 +103,31 @@ def _is_sharded_wrapper(module: Any) -> str | None:
     return None
 
 
+def _weight_refusal(weight: torch.Tensor, wrapper: Any, head: Any) -> str | None:
+    """What refuses both ways of managing the weight's float32 gradient by hand, whatever its ``.grad``: the device,
+    the dtype, a tensor subclass, a hook, a sharded weight or wrapper."""
+    if weight.device.type != "cpu":
+        return "not on CPU"
+    if weight.dtype != torch.float32:
+        return "not float32"
+    if type(weight) not in (nn.Parameter, torch.Tensor):
+        return "a tensor subclass (DTensor)"
+    if weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None):
+        return "a hook on the weight"
+    if any(hasattr(weight, attr) for attr in ("ds_id", "ds_tensor", "_fsdp_flattened")):
+        return "a sharded weight"
+    for module in _chain(wrapper) + ([head] if isinstance(head, nn.Module) else []):
+        sharded = _is_sharded_wrapper(module)
+        if sharded:
+            return sharded
+    return None
+
+
+def _several_processes() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def into_grad_refusal(weight: torch.Tensor, wrapper: Any, head: Any = None) -> str | None:
     """Why the fused head may NOT add its weight gradient straight into ``weight.grad`` now, or None when it may.
     ``wrapper``: the model as the training step called it (DDP, DeepSpeed's engine, ...; None: no wrapper known, then
@@ -95,37 +137,94 @@ def into_grad_refusal(weight: torch.Tensor, wrapper: Any, head: Any = None) -> s
     grad = weight.grad
     if grad is None:
         return "no .grad yet"
-    if weight.device.type != "cpu":
-        return "not on CPU"
-    if weight.dtype != torch.float32 or grad.dtype != torch.float32:
+    reason = _weight_refusal(weight, wrapper, head)
+    if reason is not None:
+        return reason
+    if grad.dtype != torch.float32:
         return "not float32"
-    if type(grad) is not torch.Tensor or type(weight) not in (nn.Parameter, torch.Tensor):
+    if type(grad) is not torch.Tensor:
         return "a tensor subclass (DTensor)"
     if grad.layout != torch.strided or not grad.is_contiguous() or grad.shape != weight.shape:
         return "a non-contiguous .grad"
-    if weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None):
-        return "a hook on the weight"
-    if any(hasattr(weight, attr) for attr in ("ds_id", "ds_tensor", "_fsdp_flattened")):
-        return "a sharded weight"
     dist = torch.distributed
-    initialized = dist.is_available() and dist.is_initialized()
-    modules = _chain(wrapper) + ([head] if isinstance(head, nn.Module) else [])
-    for module in modules:
-        sharded = _is_sharded_wrapper(module)
-        if sharded:
-            return sharded
-    if not initialized:
+    if not (dist.is_available() and dist.is_initialized()):
         return None
     if wrapper is None:
         return "torch.distributed without a known wrapper"
+    modules = _chain(wrapper) + ([head] if isinstance(head, nn.Module) else [])
     ddp = next((m for m in modules if isinstance(m, nn.parallel.DistributedDataParallel)), None)
     if ddp is None:
-        return None if dist.get_world_size() == 1 else "several processes without DDP"
+        return "several processes without DDP" if _several_processes() else None
     if getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "_delay_all_reduce_all_params", False):
         return "DDP's python reducer"
     if ddp.require_backward_grad_sync:
         return "the synchronising DDP backward"
     return None
+
+
+@contextlib.contextmanager
+def keeping_buffers() -> Iterator[None]:
+    """Inside, each fused weight gradient's float32 buffer is kept when ``.grad`` is dropped, for the next window's
+    first micro-batch (see the module docstring); leaving the outermost one lets every kept buffer go.
+
+    Example:
+        ```python
+        with keeping_buffers():
+            for window in windows:
+                for batch in window:
+                    fused_causal_lm_sum(model, batch, targets).sum_loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)  # the head's buffer stays for the next window
+        ```
+    """
+    _KEEPING[0] += 1
+    try:
+        yield
+    finally:
+        _KEEPING[0] -= 1
+        if not _KEEPING[0]:
+            release_buffers()
+
+
+def release_buffers() -> None:
+    """Let every kept gradient buffer go (evaluation, a checkpoint save, a micro-batch without the fused head)."""
+    _KEPT.clear()
+
+
+def _storage_refs(tensor: torch.Tensor) -> int | None:
+    """How many tensors hold ``tensor``'s memory (None where torch does not say)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    storage = tensor.untyped_storage()  # this Python object holds one reference of its own
+    return int(count(storage._cdata)) - 1
+
+
+def kept_buffer(weight: torch.Tensor, wrapper: Any, head: Any) -> torch.Tensor | None:
+    """In a first micro-batch's forward pass (``weight.grad`` None): the float32 buffer kept from the weight's last
+    gradient, to write the new gradient into (every element overwritten), or None (then a new buffer is made)."""
+    kept = _KEPT.pop(weight, None)
+    if kept is None or weight.grad is not None or not _KEEPING[0]:
+        return None
+    if kept.shape != weight.shape or kept.dtype != torch.float32 or kept.device != weight.device:
+        return None
+    if not weight.is_leaf or _weight_refusal(weight, wrapper, head) is not None or _several_processes():
+        return None
+    if _storage_refs(kept) != 1:  # someone kept the last gradient (a callback, a hook's list): never overwrite it
+        return None
+    STATS.reused += 1
+    return kept
+
+
+def keep_buffer(weight: torch.Tensor, grad: torch.Tensor, wrapper: Any, head: Any) -> None:
+    """After the tiles: remember ``grad`` (the weight's new float32 gradient, not yet ``.grad``) for the next window,
+    as another tensor over the same memory (not a view, which would hold ``grad``), so that autograd still adopts
+    ``grad`` itself as ``.grad``."""
+    if not _KEEPING[0] or grad.dtype != torch.float32 or grad.shape != weight.shape or not weight.is_leaf:
+        return
+    if _weight_refusal(weight, wrapper, head) is not None or _several_processes():
+        return
+    _KEPT[weight] = grad.detach()  # no view of `grad` (a view holds it: autograd would copy it, not adopt it)
 
 
 class Written:
@@ -183,6 +282,9 @@ def begin(weight: torch.Tensor, wrapper: Any, head: Any, recompute: Callable[[],
             "first). Back-propagate every fused loss computed with gradient, compute it under `torch.no_grad()`, or "
             "zero the gradients (`model.zero_grad()`) before going on."
         )
+    kept = _KEPT.get(weight)
+    if kept is not None and weight.grad is not None and kept.data_ptr() != weight.grad.data_ptr():
+        del _KEPT[weight]  # .grad was replaced: the kept memory is nobody's gradient now
     reason = into_grad_refusal(weight, wrapper, head)
     if reason is not None:
         STATS.refuse(reason)

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from transformers.utils import logging
 
-from . import context_parallel, fused_choice, patches
+from . import context_parallel, fused_choice, fused_into_grad, patches
 from .auxiliary import returns_router_loss, split_model_loss
 from .backends import Backend, resolve_backend
 from .backends.fsdp2 import warn_if_no_full_model
@@ -285,11 +285,19 @@ class GradAccMixin:
         resume_from_checkpoint, self._resume_point = resolve_resume(self, resume_from_checkpoint)
         self._resume_at: ResumePoint | None = None  # set once the run's layout is known, when the stock skip is wrong
         self.data_position: DataPosition | None = None  # where the data stands, recorded by each checkpoint
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        with fused_into_grad.keeping_buffers():  # the fused head's weight-gradient buffer kept from window to window
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """`Trainer.evaluate`, after letting go of the fused head's kept weight-gradient buffer (evaluation needs no
+        gradient; the next window's first micro-batch makes a new one)."""
+        fused_into_grad.release_buffers()
+        return super().evaluate(*args, **kwargs)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """`Trainer._save_checkpoint`, bracketed so that a kill at any point leaves the old checkpoint or a complete
         new one (:func:`~hf_gradacc.checkpoints.checkpoint_save`: a marker written last, rotation after it)."""
+        fused_into_grad.release_buffers()  # no gradient is saved: the kept buffer would only add to the save's peak
         with checkpoint_save(self, trial):
             super()._save_checkpoint(model, trial)
 
@@ -526,6 +534,8 @@ class GradAccMixin:
         check = training and self._loss_check_due and self._loss_check is None and window.index == 0
         fused = training and fused_choice.is_on(self, window)  # evaluation keeps the logits metrics need
         self._fused_head_ran |= fused
+        if training and not fused:  # the full logits make their own weight gradient: nothing to keep for
+            fused_into_grad.release_buffers()
         terms, outputs = builtin_loss(
             self.head, model, inputs, denominator=self.primary_denominator, with_model_loss=check, fused_lm_head=fused,
             routing=window.routing if training else None, micro_batch_index=window.index if training else None,

@@ -6,6 +6,8 @@ back-propagated after its write is refused at the next forward."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -145,3 +147,89 @@ def test_ddp_writes_only_inside_no_sync_and_corrects_a_synchronising_backward(tm
         ddp(hidden_rows).sum().backward()  # a synchronised forward after a synchronised backward: the reducer is done
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------- the first micro-batch's buffer, kept from window to window
+def _windows(head: torch.nn.Linear, windows: int, keep: bool, hold: list | None = None) -> list[torch.Tensor]:
+    """``windows`` windows of GA 2 through the fused head (.grad dropped after each, as `zero_grad(set_to_none=True)`
+    does); each window's gradient, cloned. ``hold`` keeps each window's ``.grad`` itself (as a user's callback may)."""
+    got = []
+    context = into_grad.keeping_buffers() if keep else contextlib.nullcontext()
+    with context:
+        for w in range(windows):
+            for i in range(2):
+                hidden_rows, targets = _head_case(seed=10 * w + i)
+                (fused_cross_entropy_sum(hidden_rows, head.forward, targets, tile_rows=16) * 0.25).backward()
+            got.append(head.weight.grad.clone())
+            if hold is not None:
+                hold.append(head.weight.grad)
+            head.weight.grad = None
+    return got
+
+
+def test_the_next_windows_first_micro_batch_writes_into_the_kept_buffer():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False)
+    expected = _windows(head, 3, keep=False)
+    assert into_grad.STATS.reused == 0
+    pointers = []
+    with into_grad.keeping_buffers():
+        for w in range(3):
+            for i in range(2):
+                hidden_rows, targets = _head_case(seed=10 * w + i)
+                (fused_cross_entropy_sum(hidden_rows, head.forward, targets, tile_rows=16) * 0.25).backward()
+            pointers.append(head.weight.grad.data_ptr())
+            assert torch.equal(head.weight.grad, expected[w]), w  # overwritten, not added to: the same bits
+            head.weight.grad = None
+    assert into_grad.STATS.reused == 2 and len(set(pointers)) == 1, (into_grad.STATS, pointers)
+    assert not into_grad._KEPT  # let go on leaving the outermost context
+
+
+def test_a_gradient_someone_kept_is_never_overwritten():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False)
+    held: list[torch.Tensor] = []
+    got = _windows(head, 3, keep=True, hold=held)
+    assert into_grad.STATS.reused == 0, into_grad.STATS
+    for window, (kept, value) in enumerate(zip(held, got)):
+        assert torch.equal(kept, value), window
+
+
+def test_a_hook_on_the_weight_keeps_no_buffer():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False)
+    head.weight.register_hook(lambda g: g * 1.0)  # autograd's .grad is the hook's tensor, not the tiles' buffer
+    _windows(head, 3, keep=True)
+    assert into_grad.STATS.reused == 0 and not into_grad._KEPT, into_grad.STATS
+
+
+class _Reuses(tf.TrainerCallback):
+    def __init__(self) -> None:
+        self.reused: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.reused.append(into_grad.STATS.reused)
+
+
+@pytest.mark.parametrize("evaluate", [False, True])
+def test_the_trainer_reuses_the_buffer_and_lets_it_go_for_evaluation(evaluate):
+    """GA 2 x 3 optimizer steps: windows 2 and 3 reuse window 1's buffer (updates as the full logits' within float32
+    rounding); an evaluation between steps lets the buffer go, so the window after it makes a new one."""
+    torch.manual_seed(0)
+    model = build_tiny_model("causal_lm")
+    samples = make_samples("causal_lm", 12, seed=5, min_length=2, max_length=40, ignore_fraction=0.5)
+    extra = dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2) if evaluate else {}
+    updates = {}
+    for fused in (True, False):
+        callback = _Reuses()
+        args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=2, args_class=GradAccConfig,
+                             fused_lm_head=fused, max_steps=3, learning_rate=0.1, **extra)  # fmt: skip
+        into_grad.STATS = into_grad.IntoGradStats()
+        kwargs = {"callbacks": [callback], "eval_dataset": samples[:4]} if evaluate else {"callbacks": [callback]}
+        updates[fused], _ = one_step_update(GradAccTrainer, model, samples, args, trainer_kwargs=kwargs)
+        if fused:
+            assert callback.reused == ([0, 0, 0] if evaluate else [0, 1, 2]), callback.reused
+        assert not into_grad._KEPT
+    for name, full in updates[False].items():
+        error = float((updates[True][name] - full).norm() / full.norm().clamp_min(1e-30))
+        assert error <= 1e-5, (name, error)
