@@ -10,7 +10,8 @@ It runs on a tiny Llama with a 32,000-token vocabulary built from its config (no
 another) or on your causal LM (`--model_name_or_path`), with a run_clm-style `datasets.map` tokenization of its own
 synthetic text, half of every document an ignored prompt; swap in your dataset and tokenizer. Every GradAccConfig
 field is a flag (HfArgumentParser). It prints the LM-head rows computed per counted target (1.00 is the least: the
-fused head) and the process's peak memory.
+fused head), how the head's weight gradient reached `.grad` (added straight into it on micro-batches 2..N of a
+window; on each window's first, written into the buffer kept from the window before) and the process's peak memory.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
-from hf_gradacc import GradAccConfig, GradAccTrainer
+from hf_gradacc import GradAccConfig, GradAccTrainer, fused_into_grad
 from hf_gradacc.testing.tiny import PaddingCollator, synthetic_clm_dataset
 
 
@@ -82,19 +83,23 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     trainer = CountingTrainer(model=model, args=args, train_dataset=train_dataset, data_collator=PaddingCollator())
     trainer.counter = HeadRowCounter(model.get_output_embeddings())
+    stats = fused_into_grad.STATS = fused_into_grad.IntoGradStats()  # this run's counts only
     result = trainer.train()
     counter = trainer.counter
     summary = {
         "global_step": result.global_step,
         "train_loss": result.training_loss,
         "head_rows_per_target": counter.rows / max(counter.targets, 1),
+        "into_grad_writes": stats.written,  # micro-batches 2..N: the weight gradient added straight into .grad
+        "kept_buffer_reused": stats.reused,  # windows 2..: the first micro-batch wrote into the kept buffer
         "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "parameters": torch.cat([p.detach().reshape(-1) for p in trainer.accelerator.unwrap_model(model).parameters()]),
     }
     if trainer.is_world_process_zero():
         print(
             f"trained {summary['global_step']} steps, train_loss {summary['train_loss']:.4f}, "
-            f"LM-head rows per counted target {summary['head_rows_per_target']:.2f}, "
+            f"LM-head rows per counted target {summary['head_rows_per_target']:.2f}, weight gradient into .grad "
+            f"on {stats.written} micro-batches, kept buffer reused on {stats.reused} windows, "
             f"peak memory {summary['peak_memory_mib']:,.0f} MiB (fused_lm_head={args.fused_lm_head})"
         )
     trainer.end()  # destroys the process group; safe at exit on CPU (gloo) ranks

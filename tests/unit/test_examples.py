@@ -161,6 +161,9 @@ def test_fused_lm_head_example_gives_the_full_logits_update_on_counted_rows_only
     # half of each document is prompt, plus the padding: the full logits project more than two rows per target
     assert full["head_rows_per_target"] > 2.0 and fused["head_rows_per_target"] == pytest.approx(1.0)
     assert fused["train_loss"] == pytest.approx(full["train_loss"], rel=1e-6)
+    # GA 2 x 2 steps: micro-batch 2 of each window adds into .grad; window 2's first reuses window 1's buffer
+    assert (fused["into_grad_writes"], fused["kept_buffer_reused"]) == (2, 1), fused
+    assert (full["into_grad_writes"], full["kept_buffer_reused"]) == (0, 0), full
     initial = module.build_model(module.ScriptArguments(vocab_size=4000), seed=42)
     start = torch.cat([p.detach().reshape(-1) for p in initial.parameters()])
     update_fused, update_full = fused["parameters"] - start, full["parameters"] - start
