@@ -55,14 +55,13 @@ def _status(key: str) -> int:
     raise OSError(key)
 
 
-def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed: int, state: str,
-            tile_rows: int | None = None) -> dict:  # fmt: skip
-    """One (method, shape) in this process: CPU and wall time per repeat, the peak rise, the errors vs float64."""
+def _case(rows: int, hidden: int, vocab: int, seed: int, tile_rows: int | None) -> tuple[Any, Any, Any, Any]:
+    """One thread; the head, the hidden rows, the targets (every seventh ignored) of a shape, and ``loss_of(method,
+    hidden)``: the summed cross-entropy each method computes."""
     import torch
     import torch.nn.functional as F
 
-    from hf_gradacc import fused_into_grad
-    from hf_gradacc.fused_head import fused_cross_entropy_sum, rows_per_tile
+    from hf_gradacc.fused_head import fused_cross_entropy_sum
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(seed)
@@ -73,13 +72,27 @@ def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed:
     targets = torch.randint(0, vocab, (rows,), generator=g)
     targets[::7] = -100
 
-    def loss_of(h: torch.Tensor) -> torch.Tensor:
+    def loss_of(method: str, h: torch.Tensor) -> torch.Tensor:
         if method == "full_logits":
             return F.cross_entropy(head(h), targets, ignore_index=-100, reduction="sum")
         if method == "torch_linear_cross_entropy":
             return F.linear_cross_entropy(h, head.weight, targets, reduction="sum", ignore_index=-100,
                                           options=torch.nn.LinearCrossEntropyOptions())  # fmt: skip
         return fused_cross_entropy_sum(h, head.forward, targets, tile_rows=tile_rows)  # as the trainer calls it
+
+    return head, h0, targets, loss_of
+
+
+def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed: int, state: str,
+            tile_rows: int | None = None) -> dict:  # fmt: skip
+    """One (method, shape) in this process: CPU and wall time per repeat, the peak rise, the errors vs float64."""
+    import torch
+    import torch.nn.functional as F
+
+    from hf_gradacc import fused_into_grad
+    from hf_gradacc.fused_head import rows_per_tile
+
+    head, h0, targets, loss_of = _case(rows, hidden, vocab, seed, tile_rows)
 
     grad_exists = state == "grad_exists"
     zero = torch.zeros_like(head.weight) if grad_exists else None
@@ -93,7 +106,7 @@ def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed:
             head.weight.grad = zero.zero_() if zero is not None else None
             h = h0.clone().requires_grad_(True)
             start_cpu, start_wall = time.process_time(), time.perf_counter()
-            loss = loss_of(h)
+            loss = loss_of(method, h)
             loss.backward()
             if i:
                 cpu.append(time.process_time() - start_cpu)
@@ -129,27 +142,10 @@ def run_pair(methods: tuple[str, ...], rows: int, hidden: int, vocab: int, repea
     runs of :func:`run_one` each see a different stretch of it. ``three_matmuls`` (with ``--floor``): the products
     every method needs (logits, the hidden states' gradient, the weight's) into buffers made once, nothing else."""
     import torch
-    import torch.nn.functional as F
 
     from hf_gradacc import fused_into_grad
-    from hf_gradacc.fused_head import fused_cross_entropy_sum
 
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(seed)
-    head = torch.nn.Linear(hidden, vocab, bias=False)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(vocab, hidden, generator=g) * hidden**-0.5)
-    h0 = torch.randn(rows, hidden, generator=g)
-    targets = torch.randint(0, vocab, (rows,), generator=g)
-    targets[::7] = -100
-
-    def loss_of(method: str, h: torch.Tensor) -> torch.Tensor:
-        if method == "full_logits":
-            return F.cross_entropy(head(h), targets, ignore_index=-100, reduction="sum")
-        if method == "torch_linear_cross_entropy":
-            return F.linear_cross_entropy(h, head.weight, targets, reduction="sum", ignore_index=-100,
-                                          options=torch.nn.LinearCrossEntropyOptions())  # fmt: skip
-        return fused_cross_entropy_sum(h, head.forward, targets, tile_rows=tile_rows)
+    head, h0, targets, loss_of = _case(rows, hidden, vocab, seed, tile_rows)
 
     zero = torch.zeros_like(head.weight) if state == "grad_exists" else None
     cpu: dict[str, list[float]] = {m: [] for m in methods}
