@@ -603,6 +603,9 @@ def checkpoint_save(trainer: Any, trial: Any) -> Iterator[None]:
     naming the step, the folder left incomplete and the checkpoint the next resume takes."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+    from .fused_into_grad import release_buffers
+
+    release_buffers()  # no gradient is saved: the fused head's kept weight-gradient buffer would add to the save's peak
     args = trainer.args
     run_dir = trainer._get_output_dir(trial=trial)
     folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")

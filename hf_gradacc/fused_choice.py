@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from . import fused_into_grad
+
 logger = logging.get_logger(__name__)
 
 # The fused head must be predicted at most this many times the full logits' time to be on for speed (the fit's error
@@ -288,6 +290,16 @@ def decide(trainer: Any, window: Any) -> FusedChoice:
     if trainer.args.process_index == 0:
         logger.info(choice.message())
     return choice
+
+
+def runs_now(trainer: Any, window: Any, training: bool) -> bool:
+    """Whether this micro-batch's loss runs the fused head (:func:`is_on` in training, never in evaluation). Where it
+    does not, the weight-gradient buffer kept for the next window (:mod:`hf_gradacc.fused_into_grad`) is let go:
+    evaluation needs no gradient, and the full logits make their own."""
+    fused = training and is_on(trainer, window)
+    if not fused:
+        fused_into_grad.release_buffers()
+    return fused
 
 
 def is_on(trainer: Any, window: Any) -> bool:

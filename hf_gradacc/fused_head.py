@@ -38,10 +38,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .errors import GradAccLossError, GradAccUsageError
-from .fused_into_grad import Written
+from .fused_into_grad import Written, keep_buffer, kept_buffer
 from .fused_into_grad import begin as into_grad_begin
-from .fused_into_grad import keep_buffer as into_grad_keep
-from .fused_into_grad import kept_buffer as into_grad_kept
 from .fused_into_grad import observe as into_grad_observe
 from .loss import IGNORE_INDEX, model_labels
 
@@ -187,10 +185,10 @@ def fused_cross_entropy_sum(
         if into_grad and module.weight.requires_grad:
             written = into_grad_begin(module.weight, wrapper, module, lambda: _linear_tiles(
                 rows_in, targets, module, scale, ignore_index, step, False)[1][1])  # fmt: skip
-            kept = None if written is not None else into_grad_kept(module.weight, wrapper, module)
+            kept = None if written is not None else kept_buffer(module.weight, wrapper, module)
         total, grads = _linear_tiles(rows_in, targets, module, scale, ignore_index, step, wants_hidden, written, kept)
         if into_grad and written is None and module.weight.requires_grad:
-            into_grad_keep(module.weight, grads[1], wrapper, module)  # for the next window's first micro-batch
+            keep_buffer(module.weight, grads[1], wrapper, module)  # for the next window's first micro-batch
         return _ScaledGradients.apply(total, grads, (written, module.weight), hidden, *params)
     grad_hidden = torch.zeros_like(hidden) if wants_hidden else None
     grad_params: list[torch.Tensor | None] = [None] * len(params)
@@ -289,9 +287,8 @@ def _linear_tiles(
     gradient of the tile's logits, which two matmuls turn into the hidden rows' gradient (written in place) and the
     weight's (added into one buffer). A row whose target is ``ignore`` gets a zero gradient and no loss. No tensor of
     the tile's size is allocated per tile: a fresh one costs its page faults again, a tenth of the tile's time at
-    151,936 tokens. With ``into``, the weight's gradient is added into ``into.grad`` (times ``into.alpha``) instead,
-    and its slot in the result is None; with ``out`` (a float32 buffer of the weight's shape, whatever it holds), the
-    weight's gradient is written into it rather than into a new one."""
+    151,936 tokens. With ``into``, the weight's gradient is added into ``into.grad`` (times ``into.alpha``), its slot
+    None; with ``out`` (float32, the weight's shape, any contents), written into ``out`` instead of a new buffer."""
     weight = module.weight.detach()
     bias = None if module.bias is None else module.bias.detach()
     wants_weight = module.weight.requires_grad and into is None
@@ -303,7 +300,7 @@ def _linear_tiles(
     raw = torch.empty(size, vocab, dtype=weight.dtype, device=device) if low else logits
     grad_hidden = torch.empty_like(hidden) if wants_hidden else None  # every row is written below
     grad_weight = None
-    if wants_weight and not rows:
+    if wants_weight and not rows:  # no tile: a zero gradient (in the kept buffer when there is one)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if out is None else out.zero_()
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if wants_bias else None
     ignored = torch.nonzero(targets == ignore)[:, 0]  # once, not per tile (a host sync on an accelerator)

@@ -277,27 +277,19 @@ class GradAccMixin:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`; ``resume_from_checkpoint=True`` takes the newest checkpoint that can be resumed
-        (:func:`~hf_gradacc.checkpoints.latest_complete_checkpoint`), passing over a save that was killed midway; a
-        named folder that cannot be resumed is refused, naming the missing or broken file, and so is one saved with
-        another data layout that cannot be carried over (dataset, seed, regrouping), which would lose or repeat
-        samples. A changed batch size, GA, schedule or world size resumes at the checkpoint's recorded position in
-        samples: the rest of the epoch's order, re-batched in this run's layout (``set_initial_training_values``)."""
+        (:func:`~hf_gradacc.checkpoints.latest_complete_checkpoint`), passing over a save killed midway; a named folder
+        that cannot be resumed is refused, naming the missing or broken file, and so is one saved with a data layout
+        that cannot be carried over (dataset, seed, regrouping: samples lost or repeated). A changed batch size, GA,
+        schedule or world size resumes at the recorded position, re-batched in this run's layout."""
         resume_from_checkpoint, self._resume_point = resolve_resume(self, resume_from_checkpoint)
         self._resume_at: ResumePoint | None = None  # set once the run's layout is known, when the stock skip is wrong
         self.data_position: DataPosition | None = None  # where the data stands, recorded by each checkpoint
         with fused_into_grad.keeping_buffers():  # the fused head's weight-gradient buffer kept from window to window
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """`Trainer.evaluate`, after letting go of the fused head's kept weight-gradient buffer (evaluation needs no
-        gradient; the next window's first micro-batch makes a new one)."""
-        fused_into_grad.release_buffers()
-        return super().evaluate(*args, **kwargs)
-
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """`Trainer._save_checkpoint`, bracketed so that a kill at any point leaves the old checkpoint or a complete
         new one (:func:`~hf_gradacc.checkpoints.checkpoint_save`: a marker written last, rotation after it)."""
-        fused_into_grad.release_buffers()  # no gradient is saved: the kept buffer would only add to the save's peak
         with checkpoint_save(self, trial):
             super()._save_checkpoint(model, trial)
 
@@ -532,10 +524,8 @@ class GradAccMixin:
         window = self._window
         training = window is not None and window.index is not None
         check = training and self._loss_check_due and self._loss_check is None and window.index == 0
-        fused = training and fused_choice.is_on(self, window)  # evaluation keeps the logits metrics need
+        fused = fused_choice.runs_now(self, window, training)  # evaluation keeps the logits metrics need
         self._fused_head_ran |= fused
-        if training and not fused:  # the full logits make their own weight gradient: nothing to keep for
-            fused_into_grad.release_buffers()
         terms, outputs = builtin_loss(
             self.head, model, inputs, denominator=self.primary_denominator, with_model_loss=check, fused_lm_head=fused,
             routing=window.routing if training else None, micro_batch_index=window.index if training else None,
