@@ -34,7 +34,7 @@ new buffer of that size costs its page faults on first touch (the 250 MiB of hid
 loop) the buffer is kept when ``.grad`` is dropped and the next window's first micro-batch writes into it (its first
 tile overwrites it: no zeroing pass). It is reused only when nothing else holds its memory (a gradient someone kept
 is never overwritten), for a float32 leaf weight on CPU without hooks, in a process without several ranks; it is let
-go when a micro-batch runs without the fused head, when evaluation or a checkpoint save begins, and when training
+go when a loss runs without the fused head (evaluation, full logits), when a checkpoint save begins, and when training
 ends. It costs no peak: the buffer is the ``.grad`` it was, and the fused head makes it again at the end of the next
 forward pass; between the two only the optimizer step's end and the next forward's layers run, which hold less.
 """
