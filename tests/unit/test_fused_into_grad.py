@@ -211,14 +211,20 @@ class _Reuses(tf.TrainerCallback):
         self.reused.append(into_grad.STATS.reused)
 
 
-@pytest.mark.parametrize("evaluate", [False, True])
-def test_the_trainer_reuses_the_buffer_and_lets_it_go_for_evaluation(evaluate):
+@pytest.mark.parametrize("between", ["nothing", "evaluate", "save"])
+def test_the_trainer_reuses_the_buffer_and_lets_it_go_for_evaluation_and_saves(between):
     """GA 2 x 3 optimizer steps: windows 2 and 3 reuse window 1's buffer (updates as the full logits' within float32
-    rounding); an evaluation between steps lets the buffer go, so the window after it makes a new one."""
+    rounding); an evaluation or a checkpoint save between steps lets the buffer go, so the window after it makes a
+    new one."""
     torch.manual_seed(0)
     model = build_tiny_model("causal_lm")
     samples = make_samples("causal_lm", 12, seed=5, min_length=2, max_length=40, ignore_fraction=0.5)
-    extra = dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2) if evaluate else {}
+    evaluate = between == "evaluate"
+    extra = {
+        "nothing": {},
+        "evaluate": dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2),
+        "save": dict(save_strategy="steps", save_steps=1),
+    }[between]
     updates = {}
     for fused in (True, False):
         callback = _Reuses()
@@ -228,7 +234,7 @@ def test_the_trainer_reuses_the_buffer_and_lets_it_go_for_evaluation(evaluate):
         kwargs = {"callbacks": [callback], "eval_dataset": samples[:4]} if evaluate else {"callbacks": [callback]}
         updates[fused], _ = one_step_update(GradAccTrainer, model, samples, args, trainer_kwargs=kwargs)
         if fused:
-            assert callback.reused == ([0, 0, 0] if evaluate else [0, 1, 2]), callback.reused
+            assert callback.reused == ([0, 1, 2] if between == "nothing" else [0, 0, 0]), callback.reused
         assert not into_grad._KEPT
     for name, full in updates[False].items():
         error = float((updates[True][name] - full).norm() / full.norm().clamp_min(1e-30))
