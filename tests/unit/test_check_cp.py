@@ -6,12 +6,11 @@ test-only attention stand-in: tests/distributed/test_context_parallel.py; on GPU
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
-from hf_gradacc.commands.check import check_command, check_command_parser
+from hf_gradacc.commands.check import check_command
+from hf_gradacc.commands.hf_gradacc_cli import build_parser
 from hf_gradacc.errors import GradAccConfigError, UnsupportedBackendError
 from hf_gradacc.testing.check_cp import (
     ContextParallelCollator,
@@ -23,13 +22,8 @@ from hf_gradacc.testing.check_cp import (
 from hf_gradacc.testing.check_mesh import data_ranks, mesh_collator
 from hf_gradacc.testing.tiny import IGNORE_INDEX, PaddingCollator, build_tiny_model, make_samples
 
+CLI = build_parser()  # the `hf-gradacc` parser a user's command line goes through
 CP2 = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"}
-
-
-def _parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="hf-gradacc")
-    check_command_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["check", *argv])
 
 
 def test_the_context_parallel_size_comes_from_the_accelerate_launch():
@@ -46,7 +40,7 @@ def test_on_cpu_ranks_the_check_is_refused_by_name_before_anything_runs(monkeypa
     assert not cpu_attention_can_be_sharded()
     for key, value in CP2.items():
         monkeypatch.setenv(key, value)
-    assert check_command(_parse("--task", "causal_lm")) == 2
+    assert check_command(CLI.parse_args(["check", "--task", "causal_lm"])) == 2
     printed = " ".join(capsys.readouterr().err.split())
     assert "under context parallelism (`parallelism_config_cp_size: 2`" in printed, printed
     assert "_scaled_dot_product_flash_attention_for_cpu" in printed and "tests/gpu/test_context_parallel.py" in printed
@@ -63,9 +57,11 @@ def test_on_cpu_ranks_the_check_is_refused_by_name_before_anything_runs(monkeypa
 )
 def test_options_it_cannot_run_under_context_parallelism_are_refused_by_name(argv, flag):
     with pytest.raises(GradAccConfigError, match=rf"`{flag}` is not supported under context parallelism"):
-        check_context_parallel_options(_parse(*argv), 2, on_gpu=True)
-    check_context_parallel_options(_parse(), 2, on_gpu=True)  # the default run
-    check_context_parallel_options(_parse(), 2, on_gpu=False, cpu_attention=True)  # on CPU with a stand-in
+        check_context_parallel_options(CLI.parse_args(["check", *argv]), 2, on_gpu=True)
+    check_context_parallel_options(CLI.parse_args(["check"]), 2, on_gpu=True)  # the default run
+    check_context_parallel_options(
+        CLI.parse_args(["check"]), 2, on_gpu=False, cpu_attention=True
+    )  # on CPU with a stand-in
 
 
 def test_every_micro_batch_is_right_padded_to_a_multiple_of_2_x_cp_size(monkeypatch):

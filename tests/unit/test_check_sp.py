@@ -4,12 +4,10 @@ on 2 ranks is in tests/distributed/test_sequence_parallel.py)."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
-from hf_gradacc.commands.check import check_command_parser
+from hf_gradacc.commands.hf_gradacc_cli import build_parser
 from hf_gradacc.errors import GradAccConfigError
 from hf_gradacc.testing.check_mesh import check_options, data_ranks
 from hf_gradacc.testing.check_sp import (
@@ -21,13 +19,8 @@ from hf_gradacc.testing.check_sp import (
 from hf_gradacc.testing.reference import reference_gradients
 from hf_gradacc.testing.tiny import IGNORE_INDEX, PaddingCollator, build_tiny_model, make_samples
 
+CLI = build_parser()  # the `hf-gradacc` parser a user's command line goes through
 SP2 = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2"}
-
-
-def _parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="hf-gradacc")
-    check_command_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["check", *argv])
 
 
 def test_the_sequence_parallel_size_comes_from_the_accelerate_launch():
@@ -52,8 +45,8 @@ def test_the_sequence_parallel_size_comes_from_the_accelerate_launch():
 )
 def test_options_it_cannot_run_under_sequence_parallelism_are_refused_by_name(argv, flag):
     with pytest.raises(GradAccConfigError, match=rf"`{flag}` is not supported under sequence parallelism"):
-        check_options(_parse(*argv), SP2)
-    check_options(_parse(), SP2)  # the default run
+        check_options(CLI.parse_args(["check", *argv]), SP2)
+    check_options(CLI.parse_args(["check"]), SP2)  # the default run
 
 
 def test_more_than_one_sequence_group_on_cpu_ranks_is_refused_by_name():
@@ -61,7 +54,7 @@ def test_more_than_one_sequence_group_on_cpu_ranks_is_refused_by_name():
     rank 0 is not part of group": torch's differentiable all_gather scatters from global ranks on gloo)."""
     from hf_gradacc.testing.check_sp import check_sequence_parallel_options
 
-    opts = _parse()
+    opts = CLI.parse_args(["check"])
     with pytest.raises(GradAccConfigError, match=r"4 processes .* make 2.*`num_processes: 2`"):
         check_sequence_parallel_options(opts, 2, {**SP2, "WORLD_SIZE": "4"}, on_gpu=False)
     check_sequence_parallel_options(opts, 2, {**SP2, "WORLD_SIZE": "4"}, on_gpu=True)
@@ -69,9 +62,11 @@ def test_more_than_one_sequence_group_on_cpu_ranks_is_refused_by_name():
 
 
 def test_accumulation_steps_must_be_a_multiple_of_sp_size():
-    with pytest.raises(GradAccConfigError, match=r"`--gradient_accumulation_steps` \(3\) must be a multiple of `sp_size` \(2"):
-        check_options(_parse("--gradient_accumulation_steps", "3"), SP2)
-    check_options(_parse("--gradient_accumulation_steps", "6", "--task", "causal_lm"), SP2)
+    with pytest.raises(
+        GradAccConfigError, match=r"`--gradient_accumulation_steps` \(3\) must be a multiple of `sp_size` \(2"
+    ):
+        check_options(CLI.parse_args(["check", "--gradient_accumulation_steps", "3"]), SP2)
+    check_options(CLI.parse_args(["check", "--gradient_accumulation_steps", "6", "--task", "causal_lm"]), SP2)
 
 
 def test_one_width_a_multiple_of_sp_size_with_position_ids():
@@ -105,7 +100,10 @@ def test_the_padded_full_batch_is_the_same_reference():
     samples = make_samples("causal_lm", 6, seed=0)
     plain = reference_gradients(model, samples, "causal_lm", PaddingCollator())
     padded = reference_gradients(
-        model, samples, "causal_lm", SequenceParallelCollator(PaddingCollator(), width=step_width(samples, 2) + 8, sp_size=2)
+        model,
+        samples,
+        "causal_lm",
+        SequenceParallelCollator(PaddingCollator(), width=step_width(samples, 2) + 8, sp_size=2),
     )
     for name, grad in plain.items():
         torch.testing.assert_close(padded[name], grad, rtol=1e-9, atol=1e-12)
