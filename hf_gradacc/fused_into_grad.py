@@ -200,6 +200,11 @@ def _storage_refs(tensor: torch.Tensor) -> int | None:
     return int(count(storage._cdata)) - 1
 
 
+def _may_keep(weight: torch.Tensor, wrapper: Any, head: Any) -> bool:
+    """A kept buffer's conditions on the weight: a float32 leaf on CPU, no hook, not sharded, in one process."""
+    return weight.is_leaf and _weight_refusal(weight, wrapper, head) is None and not _several_processes()
+
+
 def kept_buffer(weight: torch.Tensor, wrapper: Any, head: Any) -> torch.Tensor | None:
     """In a first micro-batch's forward pass (``weight.grad`` None): the float32 buffer kept from the weight's last
     gradient, to write the new gradient into (every element overwritten), or None (then a new buffer is made)."""
@@ -208,7 +213,7 @@ def kept_buffer(weight: torch.Tensor, wrapper: Any, head: Any) -> torch.Tensor |
         return None
     if kept.shape != weight.shape or kept.dtype != torch.float32 or kept.device != weight.device:
         return None
-    if not weight.is_leaf or _weight_refusal(weight, wrapper, head) is not None or _several_processes():
+    if not _may_keep(weight, wrapper, head):
         return None
     if _storage_refs(kept) != 1:  # someone kept the last gradient (a callback, a hook's list): never overwrite it
         return None
@@ -220,11 +225,8 @@ def keep_buffer(weight: torch.Tensor, grad: torch.Tensor, wrapper: Any, head: An
     """After the tiles: remember ``grad`` (the weight's new float32 gradient, not yet ``.grad``) for the next window,
     as another tensor over the same memory (not a view, which would hold ``grad``), so that autograd still adopts
     ``grad`` itself as ``.grad``."""
-    if not _KEEPING[0] or grad.dtype != torch.float32 or grad.shape != weight.shape or not weight.is_leaf:
-        return
-    if _weight_refusal(weight, wrapper, head) is not None or _several_processes():
-        return
-    _KEPT[weight] = grad.detach()  # no view of `grad` (a view holds it: autograd would copy it, not adopt it)
+    if _KEEPING[0] and grad.dtype == torch.float32 and grad.shape == weight.shape and _may_keep(weight, wrapper, head):
+        _KEPT[weight] = grad.detach()  # no view of `grad` (a view holds it: autograd would copy it, not adopt it)
 
 
 class Written:
