@@ -1,4 +1,4 @@
-"""Re-fit the cost model of ``fused_lm_head=None`` (:mod:`hf_gradacc.fused_choice`): time the LM head's loss both
+"""Re-fit the cost model of ``fused_lm_head=None`` (:mod:`hf_gradacc.fused.choice`): time the LM head's loss both
 ways over a grid of shapes, fit each way's factors, and print (or ``--write``) the ``FACTORS`` block.
 
     python benchmarks/fused_choice_fit.py                        # CPU, float32, the default grid; prints the block
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_gradacc.fused_choice import CACHED_LOGITS, CostFactors, tiles_of  # noqa: E402
-from hf_gradacc.fused_head import fused_cross_entropy_sum  # noqa: E402
+from hf_gradacc.fused.choice import CACHED_LOGITS, CostFactors, tiles_of  # noqa: E402
+from hf_gradacc.fused.head import fused_cross_entropy_sum  # noqa: E402
 
 GRID_VOCABS = (96, 2048, 32000, 151936)
 GRID_HIDDENS = (64, 512)
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
                       f"  ({fused / full:.2f}x)", flush=True)  # fmt: skip
     label = f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, 1 thread, {len(samples)} shapes"
     factors = fit(samples, label)
-    from hf_gradacc.fused_choice import HeadShape, predict_seconds
+    from hf_gradacc.fused.choice import HeadShape, predict_seconds
 
     worst = 0.0
     for s in samples:

@@ -1,5 +1,5 @@
 """The LM head's loss, forward + backward, on CPU: full logits against hf_gradacc's tiles
-(:mod:`hf_gradacc.fused_head`) and, on request, torch's chunked ``F.linear_cross_entropy``: CPU time, peak memory,
+(:mod:`hf_gradacc.fused.head`) and, on request, torch's chunked ``F.linear_cross_entropy``: CPU time, peak memory,
 exactness, as a markdown table.
 
     python benchmarks/fused_head.py                       # issue 26: five shapes x both .grad states; ~12 min CPU
@@ -23,7 +23,7 @@ hidden states and the head's weight, ``--repeats`` times after one warm-up.
   into the buffer kept from the last one: a window after the run's first), the same without keeping the buffer
   (``first_fresh``: the run's first window, or the fused head called outside GradAccTrainer; fused method only) and
   a zeroed one kept (``grad_exists``: micro-batches 2..N of accumulation; the full logits make a temporary gradient
-  that autograd adds into it, the fused head adds into it directly: :mod:`hf_gradacc.fused_into_grad`).
+  that autograd adds into it, the fused head adds into it directly: :mod:`hf_gradacc.fused.into_grad`).
 - **Exactness**: after the timed runs, the largest relative error of the loss, the hidden states' and the weight's
   gradients against a float64 computation of the full logits.
 """
@@ -61,7 +61,7 @@ def _case(rows: int, hidden: int, vocab: int, seed: int, tile_rows: int | None) 
     import torch
     import torch.nn.functional as F
 
-    from hf_gradacc.fused_head import fused_cross_entropy_sum
+    from hf_gradacc.fused.head import fused_cross_entropy_sum
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(seed)
@@ -90,7 +90,7 @@ def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed:
     import torch.nn.functional as F
 
     from hf_gradacc import fused_into_grad
-    from hf_gradacc.fused_head import rows_per_tile
+    from hf_gradacc.fused.head import rows_per_tile
 
     head, h0, targets, loss_of = _case(rows, hidden, vocab, seed, tile_rows)
 

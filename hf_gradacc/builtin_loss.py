@@ -14,13 +14,13 @@ from transformers.utils import logging
 from .auxiliary import model_aux_terms
 from .checks import LossCheck, agree, check_builtin
 from .errors import GradAccConfigError, GradAccDataError, GradAccLossError
-from .fused_check_row import CheckRow, check_row
-from .fused_head import fused_causal_lm_sum, fused_row_check
+from .fused.check_row import CheckRow, check_row
+from .fused.head import fused_causal_lm_sum, fused_row_check
 from .heads import Head, input_token_count, unwrap_model
 from .loss import LossOutput, LossTerm, causal_targets, model_labels
 from .memory import is_out_of_memory
+from .step.window import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts
 from .weights import WEIGHTS, pop_weights, weighted_loss_sum
-from .window import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts
 
 logger = logging.get_logger(__name__)
 
@@ -65,7 +65,7 @@ def builtin_loss(
     this micro-batch (the start-up consistency check), computed from the same logits.
 
     ``fused_lm_head=True``: the head runs only on the positions whose target counts, in tiles
-    (:mod:`hf_gradacc.fused_head`); ``outputs.logits`` is then a placeholder. The start-up check compares the
+    (:mod:`hf_gradacc.fused.head`); ``outputs.logits`` is then a placeholder. The start-up check compares the
     model's own loss with the fused one on one row and raises at once. None (the default) is off for now.
 
     ``routing``: the step's :class:`~hf_gradacc.moe_balance.StepRouting` (``router_balance``), with the running

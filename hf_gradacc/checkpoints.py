@@ -33,7 +33,7 @@ from typing import Any
 
 from transformers.utils import logging
 
-from .distributed import is_collective_failure, save_failure
+from .backends.distributed import is_collective_failure, save_failure
 from .errors import GradAccConfigError
 
 logger = logging.get_logger(__name__)
@@ -603,7 +603,7 @@ def checkpoint_save(trainer: Any, trial: Any) -> Iterator[None]:
     naming the step, the folder left incomplete and the checkpoint the next resume takes."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-    from .fused_into_grad import release_buffers
+    from .fused.into_grad import release_buffers
 
     release_buffers()  # no gradient is saved: the fused head's kept weight-gradient buffer would add to the save's peak
     args = trainer.args

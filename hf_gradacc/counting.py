@@ -13,7 +13,7 @@ Two questions, two halves of this module, both pure (tensors, ints and sizes in;
    own). The step's loss is multiplied by the number of ranks the backend averages gradients over, which is that same
    group on every mesh the Hugging Face stack builds.
 
-:mod:`hf_gradacc.heads` (which family a model is), :mod:`hf_gradacc.window` (one collective per step) and the
+:mod:`hf_gradacc.heads` (which family a model is), :mod:`hf_gradacc.step.window` (one collective per step) and the
 backends only ask this module; none of them decides a count.
 """
 

@@ -1,12 +1,12 @@
 """`GradAccMixin`: what makes accumulation exact, for any `transformers.Trainer` subclass.
 
-One optimizer step reads top-down from ``_run_epoch`` here, through :mod:`hf_gradacc.step` and back:
+One optimizer step reads top-down from ``_run_epoch`` here, through :mod:`hf_gradacc.step.engine` and back:
 
-1. ``_run_epoch`` takes the epoch one window at a time: :func:`~hf_gradacc.step.open_window` fetches and counts the
-   step's micro-batches (one collective), :func:`~hf_gradacc.step.train_window` runs them,
-   :func:`~hf_gradacc.step.optimizer_step` applies the step;
+1. ``_run_epoch`` takes the epoch one window at a time: :func:`~hf_gradacc.step.engine.open_window` fetches and counts the
+   step's micro-batches (one collective), :func:`~hf_gradacc.step.engine.train_window` runs them,
+   :func:`~hf_gradacc.step.engine.optimizer_step` applies the step;
 2. every micro-batch goes through ``training_step`` (here), inside the backend's sync context;
-3. ``training_step`` calls ``compute_loss``, has the :class:`~hf_gradacc.window.Window` normalise what it returned
+3. ``training_step`` calls ``compute_loss``, has the :class:`~hf_gradacc.step.window.Window` normalise what it returned
    by the step's global counts, and back-propagates through the backend (``backward``).
 
 The step's state travels in the ``Window``; the only step state on the trainer is ``current_window``, the window in
@@ -26,9 +26,10 @@ import torch
 import torch.nn as nn
 from transformers.utils import logging
 
-from . import context_parallel, fused_choice, fused_into_grad, patches
+from . import patches
 from .auxiliary import returns_router_loss, split_model_loss
-from .backends import Backend, resolve_backend
+from .backends import Backend, context_parallel, resolve_backend
+from .backends.distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .backends.fsdp2 import warn_if_no_full_model
 from .builtin_loss import MAIN_TERM, builtin_loss, model_mean_loss
 from .callbacks.base import GradAccCallback
@@ -39,18 +40,19 @@ from .compat import check_trainer_class
 from .config import GradAccArguments, GradAccSettings, resolve_settings
 from .data.loader import build_train_dataloader, check_train_dataset, fetch_batches, find_regroup_sampler, plan_epoch
 from .data.pack_check import check_packing_support
-from .distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .errors import GradAccConfigError, GradAccLossError, GradAccUsageError
-from .fused_head import check_fused_setting
+from .fused import choice as fused_choice
+from .fused import into_grad as fused_into_grad
+from .fused.head import check_fused_setting
 from .grads import AccumulatedGradHook, GradAccess
 from .heads import Head
 from .log import announce_active
 from .loss import LossOutput, LossTerm, parse_loss_output
-from .nonfinite import poison_nonfinite
-from .run_plan import realign_learning_rate, resumed_start, training_values
-from .step import DATA_RAN_OUT, open_window, optimizer_step, train_window
+from .step.engine import DATA_RAN_OUT, open_window, optimizer_step, train_window
+from .step.nonfinite import poison_nonfinite
+from .step.plan import realign_learning_rate, resumed_start, training_values
+from .step.window import LABEL_KEY, MicroBatchCounts, TermLog, Window
 from .weights import keep_weights_column, primary_denominator
-from .window import LABEL_KEY, MicroBatchCounts, TermLog, Window
 
 logger = logging.get_logger(__name__)
 
@@ -566,7 +568,7 @@ class GradAccMixin:
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, None]:
         """`Trainer.get_batch_samples`: the next (up to) ``num_batches`` micro-batches of this rank. Nothing is
-        counted here: the step's :class:`~hf_gradacc.window.Window` counts them over every rank in one collective,
+        counted here: the step's :class:`~hf_gradacc.step.window.Window` counts them over every rank in one collective,
         so the second value is always None. Override it to see or change a step's batches before they are counted."""
         return fetch_batches(epoch_iterator, num_batches), None
 
@@ -583,12 +585,12 @@ class GradAccMixin:
         """`Trainer.set_initial_training_values`, counting optimizer steps as windows when a token budget gives
         windows more than ``gradient_accumulation_steps`` micro-batches (agreed across ranks, one collective), under
         an ``accumulation_schedule``, and from a resumed checkpoint's recorded position
-        (:func:`~hf_gradacc.run_plan.training_values`)."""
+        (:func:`~hf_gradacc.step.plan.training_values`)."""
         return training_values(self, args, dataloader, super().set_initial_training_values(args, dataloader))
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial):
         """`Trainer._init_training_state`; a resumed run finds its epoch and what it already trained in it from the
-        schedule (windows differ in size) or the checkpoint's record (:func:`~hf_gradacc.run_plan.resumed_start`)."""
+        schedule (windows differ in size) or the checkpoint's record (:func:`~hf_gradacc.step.plan.resumed_start`)."""
         epochs_trained, steps_trained = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )

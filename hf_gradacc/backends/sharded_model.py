@@ -128,11 +128,11 @@ def check_context_parallel(parallelism_config: Any, *, distributed_type: Any = N
     ``sp_backend="deepspeed"``.
 
     Context parallelism is trained through the Trainer's own entry (``Trainer._prepare_context_parallel_inputs`` and
-    accelerate's ``maybe_context_parallel``, see :mod:`hf_gradacc.context_parallel`): each rank counts the targets of
+    accelerate's ``maybe_context_parallel``, see :mod:`hf_gradacc.backends.context_parallel`): each rank counts the targets of
     its chunks of every sequence, the count is summed over every rank (data x context), and the loss is scaled by the
     ranks FSDP2 averages over (accelerate shards over ``dp_shard_cp``: data x context, every process). The head,
     attention and settings it cannot hold are refused at construction by
-    :func:`hf_gradacc.context_parallel.context_parallel_for`.
+    :func:`hf_gradacc.backends.context_parallel.context_parallel_for`.
 
     DeepSpeed Ulysses sequence parallelism is trained: the Trainer wraps the dataloader in DeepSpeed's
     ``UlyssesSPDataLoaderAdapter`` (each rank gets a slice of every sequence and ``shift_labels`` made from the whole

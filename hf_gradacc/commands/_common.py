@@ -16,7 +16,7 @@ _GLOO_GROUP_FINISHED = False  # set once a gloo process group was torn down in t
 def finish_command() -> None:
     """Tear the process group down at the end of a command (see :func:`.hf_gradacc_cli.console_main`)."""
     global _GLOO_GROUP_FINISHED
-    from ..distributed import finish_distributed
+    from ..backends.distributed import finish_distributed
 
     _GLOO_GROUP_FINISHED = finish_distributed() or _GLOO_GROUP_FINISHED
 

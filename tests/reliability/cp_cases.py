@@ -7,8 +7,8 @@ from types import SimpleNamespace
 from accelerate.utils import DistributedType
 
 from hf_gradacc import GradAccTrainer
+from hf_gradacc.backends.context_parallel import ContextParallel, context_parallel_for
 from hf_gradacc.backends.sharded_model import check_context_parallel
-from hf_gradacc.context_parallel import ContextParallel, context_parallel_for
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 

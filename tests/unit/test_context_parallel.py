@@ -30,9 +30,9 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.trainer_callback import TrainerState
 
 from hf_gradacc import GradAccConfig, GradAccTrainer, LossTerm
+from hf_gradacc.backends.context_parallel import ContextParallel, check_micro_batch, context_parallel_for
 from hf_gradacc.backends.sharded_model import check_context_parallel
 from hf_gradacc.checkpoints import DATA_NAME, POSITION_KEY, check_data_layout, data_parallel_size
-from hf_gradacc.context_parallel import ContextParallel, check_micro_batch, context_parallel_for
 from hf_gradacc.counting import count_micro_batch
 from hf_gradacc.errors import GradAccConfigError, GradAccDataError, GradAccLossError, UnsupportedBackendError
 from hf_gradacc.heads import Head

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
-from hf_gradacc.fused_check_row import CHECK_TARGETS, check_row
+from hf_gradacc.fused.check_row import CHECK_TARGETS, check_row
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import VOCAB_SIZE, build_tiny_model
 

@@ -1,4 +1,4 @@
-"""``fused_lm_head=None`` (the default) is automatic: the cost model of :mod:`hf_gradacc.fused_choice` turns the fused
+"""``fused_lm_head=None`` (the default) is automatic: the cost model of :mod:`hf_gradacc.fused.choice` turns the fused
 head on where it is predicted faster or where the full logits would dwarf the training state, off where it loses;
 where the fused head cannot run, automatic is off with one INFO line (no error, no warning); the decision is logged
 once, with its numbers; when it turns the head on the update is exact and the start-up check guards it."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers as tf
 
-import hf_gradacc.fused_choice as fused_choice
-import hf_gradacc.fused_head as fused_head
+import hf_gradacc.fused.choice as fused_choice
+import hf_gradacc.fused.head as fused_head
 from hf_gradacc import GradAccConfig, GradAccLossError, GradAccTrainer
-from hf_gradacc.fused_choice import HeadShape, choose
+from hf_gradacc.fused.choice import HeadShape, choose
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 

@@ -1,4 +1,4 @@
-"""The plain linear head's tiles (``hf_gradacc.fused_head._linear_tiles``) against the full logits in float64: few
+"""The plain linear head's tiles (``hf_gradacc.fused.head._linear_tiles``) against the full logits in float64: few
 rows through a large vocabulary, rows not divisible by the tile, one row, no counted row, a tile of ignored rows,
 bias and logit scale, bf16; and the tile size chosen from the shape (``rows_per_tile``)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hf_gradacc.fused_head as fused_head
-from hf_gradacc.fused_head import LogitTransform, fused_cross_entropy_sum, rows_per_tile
+import hf_gradacc.fused.head as fused_head
+from hf_gradacc.fused.head import LogitTransform, fused_cross_entropy_sum, rows_per_tile
 
 TOLERANCE = 1e-5  # float32 against float64, relative (norm); float32 rounding is ~1e-7 here
 

@@ -15,7 +15,7 @@ import transformers as tf
 
 from hf_gradacc import GradAccConfig, GradAccTrainer, GradAccUsageError
 from hf_gradacc import fused_into_grad as into_grad
-from hf_gradacc.fused_head import fused_cross_entropy_sum
+from hf_gradacc.fused.head import fused_cross_entropy_sum
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import VOCAB_SIZE, build_tiny_model, make_samples
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 import transformers as tf
 
-import hf_gradacc.fused_head as fused_head
+import hf_gradacc.fused.head as fused_head
 from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccLossError, GradAccTrainer, GradAccUsageError
-from hf_gradacc.fused_head import LogitTransform, fused_cross_entropy_sum
+from hf_gradacc.fused.head import LogitTransform, fused_cross_entropy_sum
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import VOCAB_SIZE, PaddingCollator, build_tiny_model, build_tiny_moe, make_samples
 

@@ -23,11 +23,11 @@ import pytest
 
 pytest.importorskip("trl")
 
+from hf_gradacc.step.window import WindowCounts  # noqa: E402
 from hf_gradacc.testing.check_grpo import grpo_loss_type_rows, grpo_run  # noqa: E402
 from hf_gradacc.testing.grpo_reference import GRPO_LOSS_TYPES, GRPOLossSettings, grpo_step_reference  # noqa: E402
 from hf_gradacc.testing.grpo_steps import build_tiny_policy  # noqa: E402
 from hf_gradacc.testing.reference import compare  # noqa: E402
-from hf_gradacc.window import WindowCounts  # noqa: E402
 
 TOL = 1e-5
 STOCK_EXACT = ("grpo", "dr_grpo", "sapo", "luspo")  # TRL's micro-batches hold equal numbers of completions

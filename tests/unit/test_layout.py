@@ -171,15 +171,3 @@ def test_the_trl_trainers_import_only_what_they_share() -> None:
         imported = {i for i in _imports(MODULES[name], top_level_only=False) if i in MODULES}
         assert "hf_gradacc.trl" not in imported, f"{name} imports its own package hf_gradacc.trl"
         assert not (imported & (trainers - {name})), f"{name} imports {sorted(imported & (trainers - {name}))}"
-
-
-MAX_MODULE_LINES = 650
-
-
-def test_no_module_above_650_lines() -> None:
-    """A module a reader can hold in mind: past 650 lines a module is split by what it does (mixin.py's run length
-    and resume start went to run_plan.py, commands/check.py's measurements to testing/check_*.py)."""
-    sizes = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
-    assert sizes and max(sizes.values()) > 100  # the count sees real modules
-    too_long = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
-    assert not too_long, f"modules above {MAX_MODULE_LINES} lines: {too_long}"

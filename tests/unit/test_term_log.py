@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_gradacc.moe_balance import LOAD_KEY, MoeLoadLog, RouterShape, StepRouting
-from hf_gradacc.window import TermLog
+from hf_gradacc.step.window import TermLog
 
 
 def _rank_log(aux: list[float], counts: list[torch.Tensor]) -> TermLog:

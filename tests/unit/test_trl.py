@@ -206,8 +206,8 @@ def test_a_step_with_more_micro_batches_on_one_process_stops_every_process() -> 
     from types import SimpleNamespace
 
     from hf_gradacc import GradAccDataError
+    from hf_gradacc.step.window import MicroBatchCounts, Window, WindowCounts
     from hf_gradacc.trl._common import training_window
-    from hf_gradacc.window import MicroBatchCounts, Window, WindowCounts
 
     counts = WindowCounts(micro_batches=(MicroBatchCounts(num_tokens=3, num_samples=1),) * 4, global_tokens=21,
                           global_samples=7, num_micro_batches_per_rank=(4, 3))  # fmt: skip

@@ -36,6 +36,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccMixin  # noqa: E402
 from hf_gradacc.compat import installed_version, trl_at_least  # noqa: E402
+from hf_gradacc.step.window import WindowCounts  # noqa: E402
 from hf_gradacc.testing.grpo_steps import (  # noqa: E402
     GRPOStepRecorder,
     build_tiny_moe_policy,
@@ -51,7 +52,6 @@ from hf_gradacc.testing.grpo_steps import (  # noqa: E402
 from hf_gradacc.testing.one_step import one_step_args  # noqa: E402
 from hf_gradacc.testing.reference import compare, float64_copy  # noqa: E402
 from hf_gradacc.trl import GradAccGRPOConfig, GradAccGRPOTrainer  # noqa: E402
-from hf_gradacc.window import WindowCounts  # noqa: E402
 
 TOL = 1e-5
 BS, GA = 2, 4

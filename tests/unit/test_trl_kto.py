@@ -28,6 +28,7 @@ from transformers import HfArgumentParser  # noqa: E402
 from trl import KTOConfig, KTOTrainer  # noqa: E402
 
 from hf_gradacc import GradAccConfig, GradAccConfigError, make_exact  # noqa: E402
+from hf_gradacc.step.window import WindowCounts  # noqa: E402
 from hf_gradacc.testing import trl_steps  # noqa: E402
 from hf_gradacc.testing.one_step import one_step_args  # noqa: E402
 from hf_gradacc.testing.reference import compare  # noqa: E402
@@ -35,7 +36,6 @@ from hf_gradacc.testing.tiny import build_tiny_model  # noqa: E402
 from hf_gradacc.testing.trl_more_steps import kto_dataset, kto_kl_estimate, kto_reference, kto_rows  # noqa: E402
 from hf_gradacc.trl import GradAccKTOConfig, GradAccKTOTrainer  # noqa: E402
 from hf_gradacc.trl import kto as kto_module  # noqa: E402
-from hf_gradacc.window import WindowCounts  # noqa: E402
 
 TOL = 1e-5
 BETA = 0.5

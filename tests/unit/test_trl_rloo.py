@@ -27,6 +27,7 @@ from trl import RLOOConfig, RLOOTrainer  # noqa: E402
 
 from hf_gradacc import GradAccConfigError  # noqa: E402
 from hf_gradacc.exact import exact_class  # noqa: E402
+from hf_gradacc.step.window import WindowCounts  # noqa: E402
 from hf_gradacc.testing.grpo_steps import (  # noqa: E402
     build_tiny_policy,
     grpo_prompts,
@@ -43,7 +44,6 @@ from hf_gradacc.testing.trl_more_steps import (  # noqa: E402
 )
 from hf_gradacc.testing.trl_steps import word  # noqa: E402
 from hf_gradacc.trl import GradAccRLOOConfig, GradAccRLOOTrainer  # noqa: E402
-from hf_gradacc.window import WindowCounts  # noqa: E402
 
 TOL = 1e-5
 NUM_GENERATIONS = 2

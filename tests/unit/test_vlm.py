@@ -19,9 +19,9 @@ import torch
 from transformers import Trainer
 
 from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccTrainer
+from hf_gradacc.step.window import split_micro_batches
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny_vlm import VLM_FAMILIES, VLMCollator, build_tiny_vlm, make_vlm_samples
-from hf_gradacc.window import split_micro_batches
 
 TOL = 1e-5
 BATCH, GA = 2, 4

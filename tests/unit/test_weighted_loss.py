@@ -14,10 +14,10 @@ import torch
 
 from hf_gradacc import GradAccConfig, GradAccDataError, GradAccLossError, GradAccTrainer, LossTerm
 from hf_gradacc.errors import GradAccConfigError
+from hf_gradacc.step.window import MicroBatchCounts, gather_window_counts
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 from hf_gradacc.weights import LOSS_WEIGHTS_KEY, LossWeightsCollator, target_weight_sum, weighted_loss_sum
-from hf_gradacc.window import MicroBatchCounts, gather_window_counts
 
 TOL = 1e-5
 BATCH, GA = 2, 4
@@ -272,7 +272,7 @@ def test_weighted_loss_example_is_exact_and_trains(tmp_path) -> None:
 def test_automatic_fused_head_stays_off_for_weighted_steps(monkeypatch) -> None:
     """fused_lm_head=None (automatic) never picks the fused head for a weighted step (it would be refused), even where
     the cost model would."""
-    import hf_gradacc.fused_choice as fused_choice
+    import hf_gradacc.fused.choice as fused_choice
 
     monkeypatch.setattr(fused_choice, "choose", lambda *a, **k: fused_choice.FusedChoice(enabled=True, reason="forced"))
     samples = weighted_samples("causal_lm", "per_sample", seed=4)

@@ -69,7 +69,7 @@ def finish_worker(status: int = 0) -> NoReturn:
     and then on a loaded machine, after every result was written. ``finish_distributed``'s short sleep makes that
     rare; skipping finalisation makes it impossible. Every result file is written before this is called.
     """
-    from hf_gradacc.distributed import finish_distributed
+    from hf_gradacc.backends.distributed import finish_distributed
 
     finish_distributed()
     sys.stdout.flush()

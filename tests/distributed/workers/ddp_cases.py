@@ -124,7 +124,7 @@ def rank_of(index: int, bs: int = BS) -> int:
 
 
 def counted(sample: dict[str, Any], task: str) -> int:
-    """The sample's counted targets, written out independently of hf_gradacc.window."""
+    """The sample's counted targets, written out independently of hf_gradacc.step.window."""
     labels = sample["labels"]
     if task == "sequence_classification":
         return int(labels != IGNORE_INDEX)

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import hf_gradacc.fused_head as fused_head
-import hf_gradacc.fused_into_grad as fused_into_grad
+import hf_gradacc.fused.head as fused_head
+import hf_gradacc.fused.into_grad as fused_into_grad
 from hf_gradacc import GradAccConfig, GradAccTrainer
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients

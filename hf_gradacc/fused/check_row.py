@@ -1,6 +1,6 @@
 """The row the fused LM head's start-up check runs on, cut to what it needs.
 
-The check (:func:`hf_gradacc.fused_head.fused_row_check`) runs the model's own forward with the labels on one row: the
+The check (:func:`hf_gradacc.fused.head.fused_row_check`) runs the model's own forward with the labels on one row: the
 FULL logits of that row, ``positions x vocabulary`` in float32, plus the model's log-probabilities of them. Given a
 whole micro-batch row it projects every padding position and, in a packed row, every sample of the row (476 positions
 at a 151,936-token vocabulary: 0.28 GB of logits and as much again of log-probabilities; the first step's peak was
@@ -43,7 +43,7 @@ def check_row(
     num_targets: int = CHECK_TARGETS,
 ) -> CheckRow | None:
     """One row of a causal-LM micro-batch for the fused head's start-up check: the first row with a counted target
-    (the row :func:`~hf_gradacc.fused_head.fused_row_check` takes), cut right after its ``num_targets``-th counted
+    (the row :func:`~hf_gradacc.fused.head.fused_row_check` takes), cut right after its ``num_targets``-th counted
     target (or its last, if it has fewer); the targets (and the
     ``shift_labels``) at the cut's last position set to ``ignore_index``, since the model's own loss sees no label
     past the cut. None where nothing needs cutting or the inputs hold a key the cut cannot follow (the caller then

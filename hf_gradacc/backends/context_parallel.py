@@ -40,13 +40,13 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
-from .builtin_loss import batch_mean_loss
-from .counting import LABEL_KEY, PACKED_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, context_parallel_shard
-from .errors import GradAccCompatibilityError, GradAccConfigError, GradAccDataError
-from .loss import IGNORE_INDEX
+from ..builtin_loss import batch_mean_loss
+from ..counting import LABEL_KEY, PACKED_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, context_parallel_shard
+from ..errors import GradAccCompatibilityError, GradAccConfigError, GradAccDataError
+from ..loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
-    from .mixin import GradAccMixin
+    from ..mixin import GradAccMixin
 
 logger = logging.get_logger(__name__)
 
@@ -323,10 +323,10 @@ def context_parallel_for(trainer: GradAccMixin, *, size: int | None = None, rank
             f"`cp_size` {size}: transformers {transformers.__version__} has no `Trainer._prepare_context_parallel_inputs`"
             ", the entry GradAccTrainer shards a micro-batch through. Use transformers >= 5.24, or `cp_size: 1`."
         )
-    from .compat import OPTIONAL_MEMBERS, check_members
+    from ..compat import OPTIONAL_MEMBERS, check_members
 
     check_members(tuple(m for m in OPTIONAL_MEMBERS if m.name == "_prepare_context_parallel_inputs"))
-    from .heads import unwrap_model
+    from ..heads import unwrap_model
 
     settings, head = trainer.gradacc, trainer.head
     base = unwrap_model(trainer.model)
@@ -355,7 +355,7 @@ def context_parallel_for(trainer: GradAccMixin, *, size: int | None = None, rank
     if why is not None:
         raise GradAccConfigError(f"`parallelism_config.cp_size` ({size}) cannot be trained exactly here: {why}.")
     if getattr(trainer, "_fused_choice", False) is None:  # `fused_lm_head=None`, automatic: off, for the reason above
-        from .fused_choice import FusedChoice
+        from ..fused.choice import FusedChoice
 
         trainer._fused_choice = FusedChoice(enabled=False, reason=(
             f"context parallelism (`cp_size` {size}): the fused head's start-up check runs one row per rank"))  # fmt: skip

@@ -8,7 +8,7 @@ respect to its hidden rows and the head's parameters) are computed as soon as it
 the head holds at most one tile of logits, and nothing is recomputed in the backward pass, which only scales the
 gradients by the loss's incoming gradient (the loss is a SUM, linear in each tile's). For a plain ``nn.Linear`` head
 the weight's gradient is added into one buffer per micro-batch (or, where its float32 ``.grad`` exists and nothing
-else needs autograd to deliver it, straight into ``.grad``: :mod:`hf_gradacc.fused_into_grad`); any other output
+else needs autograd to deliver it, straight into ``.grad``: :mod:`hf_gradacc.fused.into_grad`); any other output
 layer (PEFT adapters on the head) is called as a module and differentiated by autograd, tile by tile, so tied
 embeddings, a bias and adapters work as in the model's forward. The transforms transformers' causal LMs apply to
 their logits before the loss are applied per tile, in the model's dtype, before the float32 upcast (as the models
@@ -37,11 +37,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .errors import GradAccLossError, GradAccUsageError
-from .fused_into_grad import Written, keep_buffer, kept_buffer
-from .fused_into_grad import begin as into_grad_begin
-from .fused_into_grad import observe as into_grad_observe
-from .loss import IGNORE_INDEX, model_labels
+from ..errors import GradAccLossError, GradAccUsageError
+from ..loss import IGNORE_INDEX, model_labels
+from .into_grad import Written, keep_buffer, kept_buffer
+from .into_grad import begin as into_grad_begin
+from .into_grad import observe as into_grad_observe
 
 # Elements of one tile's logits: 2**23 float32 values are 32 MiB (55 rows at a 151,936-token vocabulary, 262 at
 # 32,000); of 2**21 to 2**25, the fastest on the 2-core CPU at both vocabularies (docs/benchmarks.md). Far fewer rows
@@ -149,7 +149,7 @@ def fused_cross_entropy_sum(
     the backward pass only scales them by the loss's incoming gradient (the SUM is linear in each tile's loss).
     ``label_smoothing``: as ``torch.nn.functional.cross_entropy``'s (the Trainer's ``label_smoothing_factor``).
     ``into_grad``: a float32 ``nn.Linear`` weight whose ``.grad`` exists gets its gradient added straight into it
-    where that is the same update (:mod:`hf_gradacc.fused_into_grad`; ``wrapper``: the model as the training step
+    where that is the same update (:mod:`hf_gradacc.fused.into_grad`; ``wrapper``: the model as the training step
     called it, DDP for instance); False keeps autograd's return everywhere.
 
     Pass only the rows whose target counts: the cost is proportional to the rows given. With no row the result is an
@@ -419,7 +419,7 @@ def fused_support_problem(model: nn.Module, head_type: str | None, *, distribute
     layer, on one process or (``distributed``) under any backend GradAccTrainer resolves (DDP, DeepSpeed ZeRO-1/2/3,
     FSDP2; mixtures of experts included); a seq2seq or masked LM whose output layer projects every position, on one
     process."""
-    from .heads import unwrap_model
+    from ..heads import unwrap_model
 
     base = unwrap_model(model)
     if head_type not in FUSED_HEADS:
@@ -435,7 +435,7 @@ def fused_support_problem(model: nn.Module, head_type: str | None, *, distribute
         )
     if distributed and head_type not in DISTRIBUTED_FUSED_HEADS:
         return f"the {head_type!r} head is tested on one process only; on several, {DISTRIBUTED_FUSED_HEADS}"
-    from .multimodal import fused_head_problem  # its start-up check runs one row of the micro-batch
+    from ..multimodal import fused_head_problem  # its start-up check runs one row of the micro-batch
 
     return fused_head_problem(base)
 
@@ -447,7 +447,7 @@ def check_fused_setting(trainer: Any) -> None:
     DeepSpeed, FSDP2) is one the fused head is tested under."""
     from transformers.utils import logging
 
-    from .errors import GradAccConfigError
+    from ..errors import GradAccConfigError
 
     if trainer._custom_compute_loss:
         logging.get_logger(__name__).warning(
@@ -580,7 +580,7 @@ def fused_causal_lm_sum(
     through the model's output and the head's output before the tiles, as a full-logits loss's would, so the hooks
     of DDP, DeepSpeed ZeRO-3 and FSDP2 on those outputs run first and the head's weight is whole again when the
     tiles' gradients (computed in the forward pass) reach it."""
-    from .heads import unwrap_model
+    from ..heads import unwrap_model
 
     base = unwrap_model(model)
     head = base.get_output_embeddings()
@@ -622,14 +622,14 @@ def fused_row_check(
     ignore_index: int,
 ) -> tuple[float, float] | None:
     """The start-up check of the fused head on ONE row (the first with a counted target; for a causal LM cut after its
-    first 32 counted targets by :mod:`hf_gradacc.fused_check_row`), without gradient: the model's own loss of that row (its forward with the labels: the full logits of one row, no graph; minus the router
+    first 32 counted targets by :mod:`hf_gradacc.fused.check_row`), without gradient: the model's own loss of that row (its forward with the labels: the full logits of one row, no graph; minus the router
     terms it adds, for a mixture of experts) and the fused reconstruction of the same row (its sum over its count).
     None when no row has a counted target or the model computes no loss.
 
     Every rank of a sharded model (ZeRO-3, FSDP2) must run the same collectives, so the two forwards always run: a
     micro-batch without a counted target runs them on its first row, and the result is None."""
-    from .auxiliary import _router_losses
-    from .heads import unwrap_model
+    from ..auxiliary import _router_losses
+    from ..heads import unwrap_model
 
     counts = (targets != ignore_index).sum(dim=-1)
     rows = torch.nonzero(counts > 0).flatten()

@@ -1,6 +1,6 @@
 """The fused LM head's weight gradient added straight into the weight's existing float32 ``.grad`` (the micro-batches
 of gradient accumulation after the first), instead of into a ``[vocabulary x hidden]`` buffer that autograd then adds
-into ``.grad``: no weight-gradient temporary at all (:mod:`hf_gradacc.fused_head` calls this module).
+into ``.grad``: no weight-gradient temporary at all (:mod:`hf_gradacc.fused.head` calls this module).
 
 The tiles compute the weight's gradient ``G`` in the FORWARD pass, while the factor the backward pass multiplies it by
 (the loss's incoming gradient ``s``: the global denominator, the data-parallel size) is known only in the backward
@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .errors import GradAccUsageError
+from ..errors import GradAccUsageError
 
 # the factor each weight's last fused backward pass received: the next forward pass's guess
 _LAST_SCALE: WeakIdKeyDictionary = WeakIdKeyDictionary()

@@ -16,10 +16,10 @@ import torch
 from transformers.trainer_utils import has_length
 from transformers.utils import logging
 
-from .checkpoints import data_parallel_size, stock_position
-from .data.loader import adjust_training_values, find_regroup_sampler, skip_first_samples
-from .errors import GradAccConfigError
-from .schedule import scheduled_training_values
+from ..checkpoints import data_parallel_size, stock_position
+from ..data.loader import adjust_training_values, find_regroup_sampler, skip_first_samples
+from ..errors import GradAccConfigError
+from ..schedule import scheduled_training_values
 
 logger = logging.get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""``fused_lm_head=None`` (the default): whether the fused LM head (:mod:`hf_gradacc.fused_head`) runs, decided once
+"""``fused_lm_head=None`` (the default): whether the fused LM head (:mod:`hf_gradacc.fused.head`) runs, decided once
 per run by a measured cost model, as the packing planner prices attention.
 
 Where the fused head cannot run (an overridden ``compute_loss`` / ``compute_loss_func`` / ``training_step``, a head
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from . import fused_into_grad
+from . import into_grad as fused_into_grad
 
 logger = logging.get_logger(__name__)
 
@@ -129,7 +129,7 @@ def factors_for(device: str, dtype: str) -> CostFactors:
 def tile_of(counted: float, hidden: int, vocab: int) -> int:
     """Rows per tile of the fused head for ``counted`` rows (the kernel's own rule, ``rows_per_tile`` where the
     kernel has one, else a fixed logit budget per tile)."""
-    from . import fused_head
+    from . import head as fused_head
 
     rows = max(1, math.ceil(counted))
     per_tile = getattr(fused_head, "rows_per_tile", None)
@@ -203,8 +203,8 @@ def _dtype_bytes(dtype: str) -> int:
 def auto_problem(trainer: Any) -> str | None:
     """Why automatic cannot turn the fused head on for ``trainer`` (at construction), or None: each of the setups
     ``fused_lm_head=True`` refuses or ignores, in words."""
-    from .fused_head import fused_support_problem
-    from .heads import unwrap_model
+    from ..heads import unwrap_model
+    from .head import fused_support_problem
 
     name = type(trainer).__name__
     if trainer._custom_compute_loss:
@@ -228,7 +228,7 @@ def auto_problem(trainer: Any) -> str | None:
 
 def shape_of(trainer: Any, window: Any) -> HeadShape:
     """The LM head of ``trainer`` on one micro-batch of ``window`` (a prefetched window, counted over every rank)."""
-    from .heads import unwrap_model
+    from ..heads import unwrap_model
 
     base = unwrap_model(trainer.model)
     counts = window.counts
@@ -294,7 +294,7 @@ def decide(trainer: Any, window: Any) -> FusedChoice:
 
 def runs_now(trainer: Any, window: Any, training: bool) -> bool:
     """Whether this micro-batch's loss runs the fused head (:func:`is_on` in training, never in evaluation). Where it
-    does not, the weight-gradient buffer kept for the next window (:mod:`hf_gradacc.fused_into_grad`) is let go:
+    does not, the weight-gradient buffer kept for the next window (:mod:`hf_gradacc.fused.into_grad`) is let go:
     evaluation needs no gradient, and the full logits make their own."""
     fused = training and is_on(trainer, window)
     if not fused:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from .counting import (  # noqa: F401  (re-exported: the counting rule's home is hf_gradacc.counting)
+from ..counting import (  # noqa: F401  (re-exported: the counting rule's home is hf_gradacc.counting)
     LABEL_KEY,
     PACKED_KEY,
     SHIFT_LABELS_KEY,
@@ -24,10 +24,10 @@ from .counting import (  # noqa: F401  (re-exported: the counting rule's home is
     count_micro_batch,
     rows_of,
 )
-from .errors import GradAccConfigError, GradAccDataError, GradAccError, GradAccLossError
-from .loss import LossOutput, normalize
-from .moe_balance import MoeLoadLog
-from .multimodal import check_batch_rows
+from ..errors import GradAccConfigError, GradAccDataError, GradAccError, GradAccLossError
+from ..loss import LossOutput, normalize
+from ..moe_balance import MoeLoadLog
+from ..multimodal import check_batch_rows
 
 logger = logging.get_logger(__name__)
 

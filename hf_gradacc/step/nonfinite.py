@@ -17,7 +17,7 @@ import math
 import torch
 from transformers.utils import logging
 
-from .errors import NonFiniteStepError
+from ..errors import NonFiniteStepError
 
 logger = logging.get_logger(__name__)
 

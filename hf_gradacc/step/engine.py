@@ -23,15 +23,15 @@ import torch
 import torch.nn as nn
 from transformers.utils import logging
 
-from .checks import LossCheck, agree
-from .errors import GradAccDataError, GradAccUsageError
-from .memory import halve_rows, is_out_of_memory, release_memory
-from .moe_balance import step_routing
+from ..checks import LossCheck, agree
+from ..errors import GradAccDataError, GradAccUsageError
+from ..memory import halve_rows, is_out_of_memory, release_memory
+from ..moe_balance import step_routing
 from .nonfinite import must_skip
 from .window import Window
 
 if TYPE_CHECKING:
-    from .mixin import GradAccMixin
+    from ..mixin import GradAccMixin
 
 logger = logging.get_logger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers.utils import logging
 
-from .errors import GradAccDistributedError
+from ..errors import GradAccDistributedError
 
 logger = logging.get_logger(__name__)
 
