@@ -2,7 +2,7 @@
 ways over a grid of shapes, fit each way's factors, and print (or ``--write``) the ``FACTORS`` block.
 
     python benchmarks/fused_choice_fit.py                        # CPU, float32, the default grid; prints the block
-    python benchmarks/fused_choice_fit.py --write --json fit.json   # rewrites hf_gradacc/fused_choice.py's block
+    python benchmarks/fused_choice_fit.py --write --json fit.json   # rewrites hf_gradacc/fused/choice.py's block
 
 Each shape ``rows x hidden x vocab`` runs forward + backward (gradients with respect to the hidden rows and the head's
 weight) of the SUM cross-entropy: the full logits (``hidden @ weight.T``, the float32 upcast, ``F.cross_entropy``)
@@ -35,7 +35,7 @@ GRID_VOCABS = (96, 2048, 32000, 151936)
 GRID_HIDDENS = (64, 512)
 GRID_ROWS = (128, 512, 2048)
 MAX_WORK = 8e9  # rows x hidden x vocab per shape (about 50 GFLOP forward + backward)
-MODULE = Path(__file__).resolve().parents[1] / "hf_gradacc" / "fused_choice.py"
+MODULE = Path(__file__).resolve().parents[1] / "hf_gradacc" / "fused" / "choice.py"
 
 
 def _cpu_seconds(fn, repeats: int) -> float:
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max_work", type=float, default=MAX_WORK)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--write", action="store_true", help="rewrite the FITTED block of hf_gradacc/fused_choice.py")
+    parser.add_argument("--write", action="store_true", help="rewrite the FITTED block of hf_gradacc/fused/choice.py")
     parser.add_argument("--json", default=None)
     parser.add_argument("--from_json", default=None, help="re-fit the samples of an earlier --json, measuring nothing")
     opts = parser.parse_args(argv)

@@ -89,7 +89,7 @@ def run_one(method: str, rows: int, hidden: int, vocab: int, repeats: int, seed:
     import torch
     import torch.nn.functional as F
 
-    from hf_gradacc import fused_into_grad
+    from hf_gradacc.fused import into_grad as fused_into_grad
     from hf_gradacc.fused.head import rows_per_tile
 
     head, h0, targets, loss_of = _case(rows, hidden, vocab, seed, tile_rows)
@@ -143,7 +143,7 @@ def run_pair(methods: tuple[str, ...], rows: int, hidden: int, vocab: int, repea
     every method needs (logits, the hidden states' gradient, the weight's) into buffers made once, nothing else."""
     import torch
 
-    from hf_gradacc import fused_into_grad
+    from hf_gradacc.fused import into_grad as fused_into_grad
 
     head, h0, targets, loss_of = _case(rows, hidden, vocab, seed, tile_rows)
 

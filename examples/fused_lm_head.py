@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
-from hf_gradacc import GradAccConfig, GradAccTrainer, fused_into_grad
+from hf_gradacc import GradAccConfig, GradAccTrainer
+from hf_gradacc.fused import into_grad as fused_into_grad
 from hf_gradacc.testing.tiny import PaddingCollator, synthetic_clm_dataset
 
 

@@ -4,7 +4,7 @@ the head's SUM over the micro-batch plus the router terms the model returns (:mo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -13,13 +13,13 @@ from transformers.utils import logging
 
 from .auxiliary import model_aux_terms
 from .checks import LossCheck, agree, check_builtin
+from .counting import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, input_token_count
 from .errors import GradAccConfigError, GradAccDataError, GradAccLossError
 from .fused.check_row import CheckRow, check_row
 from .fused.head import fused_causal_lm_sum, fused_row_check
-from .heads import Head, input_token_count, unwrap_model
+from .heads import Head, unwrap_model
 from .loss import LossOutput, LossTerm, causal_targets, model_labels
 from .memory import is_out_of_memory
-from .step.window import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts
 from .weights import WEIGHTS, pop_weights, weighted_loss_sum
 
 logger = logging.get_logger(__name__)
@@ -58,6 +58,7 @@ def builtin_loss(
     fused_lm_head: bool | None = None,
     routing: Any = None,
     micro_batch_index: int | None = None,
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[dict[str, LossTerm], Any]:
     """``({"main": LossTerm(head's sum, denominator), "aux": ..., ...}, outputs)`` for one micro-batch.
 
@@ -69,7 +70,8 @@ def builtin_loss(
     model's own loss with the fused one on one row and raises at once. None (the default) is off for now.
 
     ``routing``: the step's :class:`~hf_gradacc.moe_balance.StepRouting` (``router_balance``), with the running
-    ``micro_batch_index``.
+    ``micro_batch_index``. ``all_gather``: the backend's (every rank's row stacked), for the fused head's start-up
+    check, agreed over the ranks.
     """
     inputs = dict(inputs)
     labels = inputs.pop(LABEL_KEY, None)
@@ -100,7 +102,8 @@ def builtin_loss(
         )
     if fused_lm_head:
         return _fused_loss(head, model, inputs, labels, shift_labels, denominator=denominator, check=with_model_loss,
-                           routing=routing, micro_batch_index=micro_batch_index)
+                           routing=routing, micro_batch_index=micro_batch_index,
+                           all_gather=all_gather or (lambda row: row[None]))
     outputs = None
     if with_model_loss and labels is not None:
         try:  # the model's own loss from the same forward; a model that cannot compute one is simply not checked
@@ -145,6 +148,7 @@ def _fused_loss(
     check: bool,
     routing: Any = None,
     micro_batch_index: int | None = None,
+    all_gather: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[dict[str, LossTerm], Any]:
     ignore = head.ignore_index
     if LABEL_KEY in inputs:  # a seq2seq model that builds its decoder inputs from the labels would compute its loss
@@ -167,23 +171,13 @@ def _fused_loss(
                                ignore_index=ignore)  # fmt: skip
         verdict = check_builtin(pair[0], torch.tensor(pair[1])) if pair is not None else LossCheck()
         try:
-            agree(verdict, _all_gather_rows, targets.device)
+            agree(verdict, all_gather, targets.device)
         except GradAccLossError as error:
             raise GradAccLossError(f"{error} (fused_lm_head: compared on the first row with a target)") from None
     terms = {MAIN_TERM: LossTerm(total=result.sum_loss, normalize_by=denominator)}
     terms.update(model_aux_terms(model, result.backbone, input_token_count(inputs), routing=routing,
                                  attention_mask=inputs.get("attention_mask"), index=micro_batch_index))
     return terms, result.backbone
-
-
-def _all_gather_rows(row: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``row`` stacked (one collective), or ``row`` itself on one process."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return row[None]
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, row)
-    return torch.stack(rows)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ fails when one is not declared here.
 
 Private members of torch and DeepSpeed (FSDP2 parameter internals, ZeRO optimizer buffers, gloo timeouts) are not
 listed: each use is guarded where it is made (``getattr`` with a fallback and a clear error or warning), see
-hf_gradacc/backends/ and hf_gradacc/distributed.py.
+hf_gradacc/backends/ and hf_gradacc/backends/distributed.py.
 
 Example:
     ```python

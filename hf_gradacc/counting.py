@@ -20,7 +20,7 @@ backends only ask this module; none of them decides a count.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -329,3 +329,61 @@ def context_parallel_shard(
         if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == seq_len:
             out[key] = value.index_select(1, index)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- this rank's counts
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SeenTokens:
+    """How `TrainingArguments.include_num_input_tokens_seen` counts input tokens (``mode`` ``"no"``: not at all)."""
+
+    mode: str = "no"
+    main_input_name: str = "input_ids"
+    pad_token_id: int | None = None
+
+
+class Counter:
+    """What one micro-batch counts on this rank, for the trainer's head: the one object every count is asked from.
+
+    :meth:`count` is what this rank holds of a training micro-batch: the whole micro-batch, or under context
+    parallelism its shard (``cp``, a :class:`~hf_gradacc.backends.context_parallel.ContextParallel`: its targets and
+    input tokens, which add up over the ``cp`` group, and its samples on ``cp`` rank 0 only); plus the input tokens
+    ``include_num_input_tokens_seen`` tracks. :meth:`count_batch` counts a batch as it is (evaluation).
+
+    Example:
+        ```python
+        counter = Counter(Head.for_model(model))
+        counter.count({"input_ids": ids, "labels": labels}).num_tokens     # target tokens after the shift
+        ```
+    """
+
+    def __init__(self, head: Any, *, cp: Any = None, seen: SeenTokens | None = None) -> None:
+        self.head, self.cp, self.seen = head, cp, seen or SeenTokens()
+
+    def count_batch(self, batch: Mapping[str, Any]) -> MicroBatchCounts:
+        """The head's counts of ``batch`` as it is (:func:`count_micro_batch`, after the head checked its labels),
+        with its attended input positions and its computed positions."""
+        head = self.head
+        head.check_batch(batch)
+        if head.type is None and LABEL_KEY in batch:
+            logger.warning_once(
+                "hf_gradacc could not tell the model's loss family; 'tokens' are counted on unshifted labels. Set "
+                "`head_type` if the model shifts its labels (causal LM)."
+            )
+        counts = count_micro_batch(
+            batch, head.type or "masked_lm", ignore_index=head.ignore_index,
+            problem_type=head.problem_type_of(batch.get(LABEL_KEY)), allow_unlabelled=head.allow_unlabelled,
+        )
+        return replace(counts, num_input_tokens=input_token_count(batch), num_positions=position_count(batch))
+
+    def count(self, batch: Mapping[str, Any]) -> MicroBatchCounts:
+        """What this rank holds of the training micro-batch ``batch``, counted (see the class docstring)."""
+        cp = self.cp
+        sharded = cp is not None and cp.size > 1
+        view = cp.count_view(batch) if sharded else batch
+        counts = self.count_batch(view)
+        if self.seen.mode != "no":
+            packed = PACKED_KEY in view  # a packed row has no padding, and may hold end-of-sequence ids equal to pad
+            seen = seen_token_count(view.get(self.seen.main_input_name), view.get("attention_mask"), self.seen.mode,
+                                    None if packed else self.seen.pad_token_id, padded=not packed)
+            counts = replace(counts, num_seen_tokens=seen)
+        return replace(counts, num_samples=0) if sharded and cp.rank != 0 else counts

@@ -10,14 +10,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from .errors import GradAccUsageError, GradientsNotReadyError
-
-if TYPE_CHECKING:
-    from .mixin import GradAccMixin
 
 AccumulatedGradHook = Callable[[str, torch.Tensor], None]
 
@@ -67,13 +64,21 @@ class GradAccess:
         ```
     """
 
-    def __init__(self, trainer: GradAccMixin) -> None:
-        self._trainer = trainer
+    def __init__(
+        self,
+        backend: Any,
+        named_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]],
+        current_window: Callable[[], Any],
+    ) -> None:
+        """``backend``: the run's backend; ``named_parameters()``: the trainable parameters, by name, in one order on
+        every rank; ``current_window()``: the optimizer step in flight (None between steps). The step's owner
+        (:class:`~hf_gradacc.step.engine.StepEngine`) builds it; users reach it as ``trainer.grads``."""
+        self._backend, self._named_parameters, self._window = backend, named_parameters, current_window
 
     @property
     def is_ready(self) -> bool:
         """True between the final backward pass of an optimizer step and the step."""
-        window = self._trainer.current_window
+        window = self._window()
         return window is not None and window.grads_ready
 
     def _check(self) -> None:
@@ -85,8 +90,7 @@ class GradAccess:
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """Trainable parameters, by name, in the same order on every rank."""
-        module = self._trainer.accelerator.unwrap_model(self._trainer.model_wrapped)
-        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        return self._named_parameters()
 
     def _param(self, name: str) -> torch.nn.Parameter:
         for n, p in self.named_parameters():
@@ -99,24 +103,24 @@ class GradAccess:
     def full(self, name: str) -> torch.Tensor:
         """The full accumulated, reduced gradient of parameter ``name`` (a collective on sharded backends)."""
         self._check()
-        return self._trainer.backend.full_grad(self._param(name))
+        return self._backend.full_grad(self._param(name))
 
     def local(self, name: str) -> torch.Tensor:
         """This rank's part of the gradient: the whole gradient on DDP, the local shard under ZeRO-3 / FSDP2."""
         self._check()
-        return self._trainer.backend.local_grad(self._param(name))
+        return self._backend.local_grad(self._param(name))
 
     def named_norms(self) -> dict[str, float]:
         """L2 norm of every trainable parameter's full gradient (one collective)."""
         self._check()
         named = self.named_parameters()
-        squares = self._trainer.backend.grad_sq_norms([p for _, p in named])
+        squares = self._backend.grad_sq_norms([p for _, p in named])
         return {n: math.sqrt(max(float(s), 0.0)) for (n, _), s in zip(named, squares.tolist())}
 
     def norm(self) -> float:
         """Global L2 norm of the accumulated gradient, before clipping (one collective)."""
         self._check()
-        squares = self._trainer.backend.grad_sq_norms([p for _, p in self.named_parameters()])
+        squares = self._backend.grad_sq_norms([p for _, p in self.named_parameters()])
         return math.sqrt(max(float(squares.sum()), 0.0))
 
     def running_sq_norm(self) -> RunningGradNorm:
@@ -137,14 +141,14 @@ class GradAccess:
                     print(running.sq_norm, running.reduced)
             ```
         """
-        window = self._trainer.current_window
+        window = self._window()
         if window is None or window.index is not None or window.final_backward_done or window.grads_ready:
             raise GradientsNotReadyError(
                 "The running gradient is readable only between two micro-batches of an optimizer step, before its "
                 "final backward pass (in `on_substep_end` callbacks); the step's reduced gradient is read with "
                 "`trainer.grads.norm()` in `on_accumulated_grads` / `on_pre_optimizer_step`."
             )
-        return self._trainer.backend.running_grad_sq_norm([p for _, p in self.named_parameters()])
+        return self._backend.running_grad_sq_norm([p for _, p in self.named_parameters()])
 
     def run_hooks(self, hooks: list[tuple[AccumulatedGradHook, bool]]) -> torch.Tensor | None:
         """Call every registered accumulated-gradient hook on every trainable parameter, in one order on every rank;
@@ -153,7 +157,7 @@ class GradAccess:
         NaN written into another rank's partition never reaches the norm, yet the step must be dropped."""
         if not hooks:
             return None
-        backend = self._trainer.backend
+        backend = self._backend
         nonfinite = None
         for name, param in self.named_parameters():
             for hook, local in hooks:

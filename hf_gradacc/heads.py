@@ -1,31 +1,23 @@
-"""Which loss family a model belongs to, and the one rule per family: what is counted and what is summed.
+"""Which loss family a model belongs to, its labels' checks, and the one sum-reduced loss per family.
 
-:class:`Head` is built once per trainer from the model and the settings. It is the only place that decides a
-micro-batch's denominator (:meth:`Head.count`), the sequence-classification problem type, and the sum-reduced loss
-of the built-in heads (:meth:`Head.sum_loss`).
+:class:`Head` is built once per trainer from the model and the settings: the family, the sequence-classification
+problem type, the checks a micro-batch's labels pass (:meth:`Head.check_batch`), and the sum-reduced loss of the
+built-in heads (:meth:`Head.sum_loss`). What a micro-batch counts is decided in :mod:`hf_gradacc.counting`, which
+takes the head's family and problem type.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 from transformers.utils import logging
 
-from .counting import (  # noqa: F401  (input_token_count / seen_token_count re-exported from their home)
-    LABEL_KEY,
-    PACKED_KEY,
-    SHIFT_LABELS_KEY,
-    MicroBatchCounts,
-    count_micro_batch,
-    input_token_count,
-    position_count,
-    seen_token_count,
-)
+from .counting import LABEL_KEY, SHIFT_LABELS_KEY
 from .errors import GradAccConfigError, GradAccDataError, GradAccLossError
 from .loss import (
     HEAD_TYPES,
@@ -149,7 +141,7 @@ class Head:
     Example:
         ```python
         head = Head.for_model(model, requested="auto")
-        counts = head.count(batch)                 # MicroBatchCounts(num_tokens=..., num_samples=...)
+        head.check_batch(batch)                    # labels of the wrong shape, dtype or range raise
         total = head.sum_loss(model(**inputs).logits, batch["labels"])
         ```
     """
@@ -205,37 +197,11 @@ class Head:
             return None
         return infer_problem_type(self.num_labels, labels, self.problem_type)
 
-    def count(self, batch: Mapping[str, Any]) -> MicroBatchCounts:
-        """The denominator counts of one micro-batch (see :func:`~hf_gradacc.counting.count_micro_batch`), after
-        :meth:`check_labels`; ``num_input_tokens`` counts the attended input positions."""
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
+        """The checks every micro-batch passes before it is counted (:class:`~hf_gradacc.counting.Counter`): its
+        labels (:meth:`check_labels`), and a warning for rows trained on positions the model does not attend to."""
         self.check_labels(batch)
-        if self.type is None and LABEL_KEY in batch:
-            logger.warning_once(
-                "hf_gradacc could not tell the model's loss family; 'tokens' are counted on unshifted labels. Set "
-                "`head_type` if the model shifts its labels (causal LM)."
-            )
-        counts = count_micro_batch(
-            batch,
-            self.type or "masked_lm",
-            ignore_index=self.ignore_index,
-            problem_type=self.problem_type_of(batch.get(LABEL_KEY)),
-            allow_unlabelled=self.allow_unlabelled,
-        )
         self._warn_unattended_rows(batch)
-        return replace(counts, num_input_tokens=input_token_count(batch), num_positions=position_count(batch))
-
-    def count_with_seen_tokens(
-        self, batch: Mapping[str, Any], mode: str, main_input_name: str, pad_token_id: int | None
-    ) -> MicroBatchCounts:
-        """:meth:`count`, plus the input tokens `include_num_input_tokens_seen` (``mode``) tracks; a packed row has
-        no padding (and may hold end-of-sequence ids equal to the pad id): every token counts there."""
-        counts = self.count(batch)
-        if mode == "no":
-            return counts
-        packed = PACKED_KEY in batch
-        seen = seen_token_count(batch.get(main_input_name), batch.get("attention_mask"), mode,
-                                None if packed else pad_token_id, padded=not packed)  # fmt: skip
-        return replace(counts, num_seen_tokens=seen)
 
     def _warn_unattended_rows(self, batch: Mapping[str, Any]) -> None:
         """A row whose ``attention_mask`` is all zeros but whose labels count: trained and counted on positions the
@@ -314,17 +280,6 @@ class Head:
             f"`{key}` are {labels.dtype}, which {why}. Build the labels as torch.int64 (or int32) in the data "
             "collator / dataset."
         )
-
-    def count_labels(self, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None) -> int:
-        """The count of the head's denominator for these labels alone (evaluation)."""
-        batch = {LABEL_KEY: labels} if shift_labels is None else {LABEL_KEY: labels, SHIFT_LABELS_KEY: shift_labels}
-        counts = count_micro_batch(
-            batch,
-            self.type or "masked_lm",
-            ignore_index=self.ignore_index,
-            problem_type=self.problem_type_of(labels),
-        )
-        return counts.get(self.denominator())
 
     def sum_loss(
         self, logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None

@@ -1,16 +1,16 @@
 """`GradAccMixin`: what makes accumulation exact, for any `transformers.Trainer` subclass.
 
-One optimizer step reads top-down from ``_run_epoch`` here, through :mod:`hf_gradacc.step.engine` and back:
+The mixin is the Trainer's side of the step: it adapts the Trainer's hooks onto the step's owner,
+:class:`~hf_gradacc.step.engine.StepEngine`, built once at construction (``_setup_gradacc``), and keeps the public
+surface (``current_window``, ``backward``, ``grads``, ``register_accumulated_grad_hook``, ``add_log_metrics``). One
+optimizer step reads top-down from ``_run_epoch`` here into the engine and back:
 
-1. ``_run_epoch`` takes the epoch one window at a time: :func:`~hf_gradacc.step.engine.open_window` fetches and counts the
-   step's micro-batches (one collective), :func:`~hf_gradacc.step.engine.train_window` runs them,
-   :func:`~hf_gradacc.step.engine.optimizer_step` applies the step;
-2. every micro-batch goes through ``training_step`` (here), inside the backend's sync context;
-3. ``training_step`` calls ``compute_loss``, has the :class:`~hf_gradacc.step.window.Window` normalise what it returned
-   by the step's global counts, and back-propagates through the backend (``backward``).
-
-The step's state travels in the ``Window``; the only step state on the trainer is ``current_window``, the window in
-flight, because `Trainer`'s ``training_step`` / ``compute_loss`` signatures cannot carry it.
+1. ``_run_epoch`` takes the epoch one window at a time: the engine opens the window (fetch, count over every rank in
+   one collective), trains it, and takes the optimizer step; the Trainer's bookkeeping (the step counter, the epoch,
+   ``on_step_end``, logging, saving, evaluation) stays here;
+2. every micro-batch goes through ``training_step`` (the Trainer's hook, overridable), which hands it back to
+   :meth:`~hf_gradacc.step.engine.StepEngine.micro_batch`: ``compute_loss``, normalisation by the step's global
+   counts, the backward pass through the backend.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import torch
@@ -27,34 +25,32 @@ import torch.nn as nn
 from transformers.utils import logging
 
 from . import patches
-from .auxiliary import returns_router_loss, split_model_loss
-from .backends import Backend, context_parallel, resolve_backend
+from .backends import Backend, resolve_backend
+from .backends.context_parallel import context_parallel_for
 from .backends.distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .backends.fsdp2 import warn_if_no_full_model
-from .builtin_loss import MAIN_TERM, builtin_loss, model_mean_loss
 from .callbacks.base import GradAccCallback
 from .callbacks.batchnorm import batchnorm_callback_for
-from .checkpoints import DataPosition, ResumePoint, checkpoint_save, data_parallel_size, prefix_blocker, resolve_resume
-from .checks import start_up_check
+from .checkpoints import DataPosition, checkpoint_save, data_parallel_size, prefix_blocker, resolve_resume
 from .compat import check_trainer_class
 from .config import GradAccArguments, GradAccSettings, resolve_settings
+from .counting import Counter, SeenTokens
 from .data.loader import build_train_dataloader, check_train_dataset, fetch_batches, find_regroup_sampler, plan_epoch
 from .data.pack_check import check_packing_support
-from .errors import GradAccConfigError, GradAccLossError, GradAccUsageError
-from .fused import choice as fused_choice
-from .fused import into_grad as fused_into_grad
-from .fused.head import check_fused_setting
+from .errors import GradAccConfigError, GradAccLossError
+from .fused.choice import FusedPolicy
 from .grads import AccumulatedGradHook, GradAccess
 from .heads import Head
 from .log import announce_active
-from .loss import LossOutput, LossTerm, parse_loss_output
-from .step.engine import DATA_RAN_OUT, open_window, optimizer_step, train_window
-from .step.nonfinite import poison_nonfinite
-from .step.plan import realign_learning_rate, resumed_start, training_values
-from .step.window import LABEL_KEY, MicroBatchCounts, TermLog, Window
-from .weights import keep_weights_column, primary_denominator
+from .loss import LossTerm, parse_loss_output
+from .moe_balance import check_router_balance
+from .step.engine import DATA_RAN_OUT, LossSource, StepEngine
+from .step.plan import realign_learning_rate
+from .step.window import LABEL_KEY, Window
+from .weights import keep_weights_column
 
 logger = logging.get_logger(__name__)
+
 
 class GradAccMixin:
     """Exact gradient accumulation for any `transformers.Trainer` subclass: put it FIRST in the bases.
@@ -103,64 +99,65 @@ class GradAccMixin:
         self._setup_gradacc(gradacc_args)
 
     def _setup_gradacc(self, gradacc_args: Any) -> None:
-        """Everything hf_gradacc adds to a constructed `Trainer`: settings, head, backend, step state, callbacks.
+        """Everything hf_gradacc adds to a constructed `Trainer`: the settings, the head, the backend, the step's
+        owner and its collaborators, the callbacks.
 
         The ONE setup path, run by ``__init__`` after `Trainer.__init__` and by :func:`~hf_gradacc.make_exact` on a
         trainer built by someone else. Subclasses with checks of their own (``hf_gradacc.trl``) extend it with
         ``super()._setup_gradacc(gradacc_args)`` first."""
         announce_active(self)  # hf_gradacc's loggers follow the Trainer's log_level; one line when training begins
         self.gradacc = settings = resolve_settings(self.args, gradacc_args)
-        # `compute_loss_func` (a Trainer argument) replaces the built-in loss exactly as an override does.
-        self._loss_from_func = type(self).compute_loss is GradAccMixin.compute_loss and self.compute_loss_func is not None
-        self._custom_compute_loss = type(self).compute_loss is not GradAccMixin.compute_loss or self._loss_from_func
-        self._plain_override = self._custom_compute_loss and not self._loss_from_func
-        self._custom_training_step = type(self).training_step is not GradAccMixin.training_step
-        self.head = Head.for_model(
+        source = self._loss_source()
+        name = type(self).__name__
+        self.head = head = Head.for_model(
             self.model,
             requested=settings.head_type,
             ignore_index=settings.ignore_index,
             label_smoothing=self.args.label_smoothing_factor,
-            custom_loss=self._custom_compute_loss,
+            custom_loss=source.custom_compute_loss,
         )
-        if self.head.type is not None and LABEL_KEY not in self.label_names:
+        if head.type is not None and LABEL_KEY not in self.label_names:
             # Keep `labels` through the Trainer's unused-column removal even when the model's forward does not
             # take them: the built-in loss is computed from them.
             self.label_names = [*self.label_names, LABEL_KEY]
         keep_weights_column(self)  # `loss_weights` survives remove_unused_columns, without being a label name
-        self.backend = resolve_backend(
-            self.accelerator,
-            self.args,
-            settings,
-            multi_backward=settings.backward_per_term
-            or self._custom_training_step
-            or settings.auto_micro_batch
-            or settings.defer_normalization,
-            model=self.model,
+        multi_backward = (settings.backward_per_term or source.custom_training_step or settings.auto_micro_batch
+                          or settings.defer_normalization)
+        self.backend = backend = resolve_backend(
+            self.accelerator, self.args, settings, multi_backward=multi_backward, model=self.model
         )
-        self.backend.check_model(self.model)
-        if settings.fused_lm_head:
-            check_fused_setting(self)  # ignored (own loss, a warning), runs, or refused: once, not per micro-batch
-        self._fused_choice = fused_choice.initial_choice(self)  # None: automatic, decided on the first optimizer step
+        backend.check_model(self.model)
         if settings.pack_micro_batches:
             check_packing_support(self.model)  # no silent cross-sample attention
-        self._cp = context_parallel.context_parallel_for(self)  # cp_size > 1: a shard per rank, or refused by name
+        cp, gather_function = context_parallel_for(  # cp_size > 1: a shard per rank, or refused by name
+            accelerator=self.accelerator, settings=settings, head=head, model=self.model, source=source,
+            trainer_class=type(self),
+        )
+        if gather_function is not None:  # evaluation gathers one copy of each batch (the cp group's rank 0)
+            self.gather_function = gather_function
+        fused = FusedPolicy.at_construction(  # ignored (own loss), on, off, refused, or automatic: once, logged
+            settings=settings, head=head, backend=backend, model=self.model, source=source, args=self.args,
+            trainer_name=name, cp_size=cp.size,
+        )
+        router = check_router_balance(  # router_balance="global_batch": refused by name, or the pre-pass's shape
+            settings=settings, head=head, model=self.model, backend=backend,
+            custom_loss=source.custom_compute_loss, trainer_name=name,
+        )
         apply_ddp_timeout(self.args)  # gloo groups made with use_cpu=True miss it (transformers 5.23)
-        if settings.defer_normalization and self._custom_training_step:
+        if settings.defer_normalization and source.custom_training_step:
             raise GradAccConfigError(
                 "`defer_normalization=True` cannot be combined with an overridden `training_step`; turn one off."
             )
-        self.num_skipped_windows = self.num_nonfinite_skipped = 0
-        self._loss_check_due, self._loss_check = False, None
-        self._fused_head_ran = False  # the built-in loss ran the fused head (a custom training_step may bypass it)
-        self._window: Window | None = None
-        self._auto_rows: int | None = None  # auto_micro_batch: rows per micro-batch once an OOM was survived
-        self._training_started = False
-        self._batches_per_epoch: int | None = None  # micro-batches per rank of an epoch (None: no length)
-        self._accumulated_grad_hooks: list[tuple[AccumulatedGradHook, bool]] = []
-        self._term_log = TermLog()
-        self._extra_logs: dict[str, float] = {}
-        self._step_means: dict[str, tuple[float, int]] = {}  # add_log_metrics(per_step=True): sum, steps
-        self.grads = GradAccess(self)
+        seen = SeenTokens(
+            mode=self.args.include_num_input_tokens_seen,
+            main_input_name=getattr(self.model, "main_input_name", "input_ids"),
+            pad_token_id=getattr(self.processing_class, "pad_token_id", None),
+        )
+        self.step_engine = StepEngine(
+            self, settings=settings, head=head, counter=Counter(head, cp=cp, seen=seen), backend=backend,
+            fused=fused, source=source, cp=cp, router=router,
+        )
+        self.grads: GradAccess = self.step_engine.grads
         batchnorm = batchnorm_callback_for(self.model, settings, self.callback_handler.callbacks)
         if batchnorm is not None:  # BatchNorm under accumulation: a warning, or the `batchnorm` mode (callbacks/)
             self.callback_handler.add_callback(batchnorm)
@@ -168,22 +165,50 @@ class GradAccMixin:
             if isinstance(callback, GradAccCallback):
                 callback.bind(self)
 
+    def _loss_source(self) -> LossSource:
+        """Where this trainer's loss comes from: its class's overrides, or a ``compute_loss_func`` (a Trainer
+        argument, which replaces the built-in loss exactly as an override does)."""
+        overridden = type(self).compute_loss is not GradAccMixin.compute_loss
+        from_func = not overridden and self.compute_loss_func is not None
+        return LossSource(
+            custom_compute_loss=overridden or from_func,
+            loss_from_func=from_func,
+            custom_training_step=type(self).training_step is not GradAccMixin.training_step,
+        )
+
     # ------------------------------------------------------------------ public surface
     @property
     def current_window(self) -> Window | None:
         """The optimizer step in flight (its counts, micro-batch cursor, state), from ``on_step_begin`` to
         ``on_optimizer_step``; None outside. ``current_window.global_count("tokens")`` is the step's denominator."""
-        return self._window
+        return self.step_engine.window
 
     @property
     def is_last_micro_batch(self) -> bool:
         """True while the last micro-batch of the current optimizer step runs."""
-        return self._window is not None and self._window.is_last
+        window = self.step_engine.window
+        return window is not None and window.is_last
 
     @property
     def primary_denominator(self) -> str:
-        """``"samples"`` for sequence classification (and unlabelled data), ``"tokens"`` for every other head."""
-        return primary_denominator(self.head, self._window)  # "weights" when the step carries `loss_weights`
+        """``"samples"`` for sequence classification (and unlabelled data), ``"weights"`` for a step whose batches
+        carry ``loss_weights``, ``"tokens"`` for every other head."""
+        return self.step_engine.primary_denominator
+
+    @property
+    def num_skipped_windows(self) -> int:
+        """Optimizer steps skipped because no rank counted an item (parameters unchanged)."""
+        return self.step_engine.num_skipped_windows
+
+    @property
+    def num_nonfinite_skipped(self) -> int:
+        """Optimizer steps dropped on every rank for a NaN/Inf loss or gradient (``nonfinite_steps="skip"``)."""
+        return self.step_engine.num_nonfinite_skipped
+
+    @property
+    def data_position(self) -> DataPosition | None:
+        """Where the training data stands after the last optimizer step (recorded by every checkpoint)."""
+        return self.step_engine.plan.data_position
 
     def add_callback(self, callback: Any) -> None:
         """`Trainer.add_callback`; a :class:`~hf_gradacc.callbacks.GradAccCallback` also gets the trainer."""
@@ -210,14 +235,7 @@ class GradAccMixin:
             trainer.train()
             ```
         """
-        if self._training_started:
-            raise GradAccUsageError(
-                "register_accumulated_grad_hook must be called before `train()`: hooks registered mid-training "
-                "would see some optimizer steps and not others."
-            )
-        if not callable(hook):
-            raise GradAccConfigError(f"`hook` must be callable as hook(name, grad), got {type(hook).__name__}")
-        self._accumulated_grad_hooks.append((hook, local))
+        self.step_engine.add_grad_hook(hook, local=local)
 
     def scheduled_accumulation_steps(self) -> int:
         """Micro-batches per rank of the next optimizer step: ``accumulation_schedule`` at ``state.global_step``, or
@@ -228,12 +246,7 @@ class GradAccMixin:
     def add_log_metrics(self, metrics: Mapping[str, float], *, per_step: bool = False) -> None:
         """Add ``metrics`` to the next training log line (used by hf_gradacc callbacks). ``per_step=True``: values of
         one optimizer step, logged as their MEAN over the steps since the previous log line."""
-        if not per_step:
-            self._extra_logs.update({k: float(v) for k, v in metrics.items()})
-            return
-        for key, value in metrics.items():
-            total, steps = self._step_means.get(key, (0.0, 0))
-            self._step_means[key] = (total + float(value), steps + 1)
+        self.step_engine.logs.add(metrics, per_step=per_step)
 
     def backward(self, loss: torch.Tensor, *, final: bool, retain_graph: bool = False) -> None:
         """Low-level backward pass for custom training steps: accumulate ``loss``'s gradient.
@@ -253,29 +266,7 @@ class GradAccMixin:
                     return (rec + adv).detach()
             ```
         """
-        window = self._require_window("backward")
-        if window.final_backward_done:
-            raise GradAccUsageError(
-                "backward(..., final=True) was already called in this optimizer step; exactly one backward pass per "
-                "step may be final (the last one of the last micro-batch)."
-            )
-        if final and not window.is_last:
-            raise GradAccUsageError(
-                f"backward(final=True) on micro-batch {window.index + 1} of {window.num_micro_batches}: only the "
-                "last micro-batch's last backward pass may be final."
-            )
-        if self.gradacc.nonfinite_steps != "propagate":
-            loss = poison_nonfinite(loss)  # a NaN/Inf loss on any rank makes the reduced gradient non-finite everywhere
-        # A window that defers its sync reduces once after its last micro-batch (Window.defers_sync).
-        self.backend.backward(loss, is_final=final and not window.defers_sync, retain_graph=retain_graph)
-        if final:
-            window.final_backward_done = True
-
-    def _require_window(self, what: str) -> Window:
-        window = self._window
-        if window is None or window.index is None:
-            raise GradAccUsageError(f"{what} runs inside a training step's micro-batch only (from training_step)")
-        return window
+        self.step_engine.backward(loss, final=final, retain_graph=retain_graph)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`; ``resume_from_checkpoint=True`` takes the newest checkpoint that can be resumed
@@ -283,10 +274,10 @@ class GradAccMixin:
         that cannot be resumed is refused, naming the missing or broken file, and so is one saved with a data layout
         that cannot be carried over (dataset, seed, regrouping: samples lost or repeated). A changed batch size, GA,
         schedule or world size resumes at the recorded position, re-batched in this run's layout."""
-        resume_from_checkpoint, self._resume_point = resolve_resume(self, resume_from_checkpoint)
-        self._resume_at: ResumePoint | None = None  # set once the run's layout is known, when the stock skip is wrong
-        self.data_position: DataPosition | None = None  # where the data stands, recorded by each checkpoint
-        with fused_into_grad.keeping_buffers():  # the fused head's weight-gradient buffer kept from window to window
+        plan = self.step_engine.plan
+        resume_from_checkpoint, plan.resume_point = resolve_resume(self, resume_from_checkpoint)
+        plan.resume_at = plan.data_position = None  # set once the run's layout is known / after each step
+        with self.step_engine.keeping_buffers():  # the fused head's weight-gradient buffer kept from window to window
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
@@ -315,35 +306,36 @@ class GradAccMixin:
         Differences with `Trainer._run_epoch`: the step happens after the LAST micro-batch the window really
         holds (a short last window of an epoch or of an `IterableDataset` is its own step, nothing leaks into
         the next epoch), an empty window on every rank ends the epoch, a window without counted items on any
-        rank is skipped, and sync / backward / clipping / stepping go through the backend.
+        rank is skipped, and the step itself is the step's owner's (:class:`~hf_gradacc.step.engine.StepEngine`).
         """
+        engine, args = self.step_engine, self.args
         if epoch == epochs_trained:
-            self._training_started = True
-            self.backend.setup(model, self.optimizer)
-            self._loss_check_due, self._loss_check = self.gradacc.check_loss_at_start, None
+            engine.begin_training(model, self.optimizer)
         resuming = epoch == epochs_trained and resume_from_checkpoint is not None
-        skip = steps_trained_in_current_epoch if resuming and not self.args.ignore_data_skip else 0
+        skip = steps_trained_in_current_epoch if resuming and not args.ignore_data_skip else 0
         # Where the epoch stands in samples of its order (None: not a prefix of it), recorded by each checkpoint.
-        relayout = resuming and self._resume_at is not None
-        first_sample = self._resume_at.num_samples if relayout and not self.args.ignore_data_skip else 0
+        relayout = resuming and engine.plan.resume_at is not None
+        first_sample = engine.plan.resume_at.num_samples if relayout and not args.ignore_data_skip else 0
         regrouped = find_regroup_sampler(train_dataloader)
         if relayout:
-            realign_learning_rate(self)  # the optimizer holds the rate the checkpoint's schedule set for this step
+            # the optimizer holds the rate the checkpoint's schedule set for this step
+            realign_learning_rate(self.lr_scheduler, self.optimizer)
             steps_in_epoch = len(train_dataloader)  # the micro-batches left after the skipped samples, per rank
             num_update_steps_per_epoch = (
-                regrouped.num_windows if regrouped is not None
-                else math.ceil(steps_in_epoch / self.args.gradient_accumulation_steps)
-            )  # fmt: skip
+                regrouped.num_windows
+                if regrouped is not None
+                else math.ceil(steps_in_epoch / args.gradient_accumulation_steps)
+            )
         num_samples = len(self.train_dataset) if prefix_blocker(self) is None else None
-        samples_per_micro_batch = self._train_batch_size * data_parallel_size(self)  # not the cp / tp / sp copies
+        samples_per_micro_batch = self._train_batch_size * data_parallel_size(self)  # not the copies
         # Regrouped or packed windows keep each stock window's samples (GA x batch x ranks of the order), not its
         # micro-batches: count windows there.
-        samples_per_window = samples_per_micro_batch * self.args.gradient_accumulation_steps
-        windows_done = skip // self.args.gradient_accumulation_steps
-        plan = plan_epoch(
+        samples_per_window = samples_per_micro_batch * args.gradient_accumulation_steps
+        windows_done = skip // args.gradient_accumulation_steps
+        epoch_plan = plan_epoch(
             train_dataloader,
             epoch,
-            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
             steps_in_epoch=steps_in_epoch,
             num_update_steps_per_epoch=num_update_steps_per_epoch,
             steps_trained_in_current_epoch=skip,
@@ -351,17 +343,18 @@ class GradAccMixin:
         )
         if resuming and steps_trained_in_current_epoch == 0:
             self._load_rng_state(resume_from_checkpoint)
-        step, steps_in_epoch, rng_to_sync = plan.step, plan.steps_in_epoch, plan.resumed_mid_epoch
+        step, steps_in_epoch, rng_to_sync = epoch_plan.step, epoch_plan.steps_in_epoch, epoch_plan.resumed_mid_epoch
+        iterator = epoch_plan.epoch_iterator
         grad_norm = learning_rate = None
-        any_rank_had_data = plan.step >= 0  # agreed: from the counts every rank gathered, never this rank's alone
-        for num_batches in plan.num_batches:
+        any_rank_had_data = epoch_plan.step >= 0  # agreed: from the counts every rank gathered, never this rank's alone
+        for num_batches in epoch_plan.num_batches:
             window = None
             try:
-                window = open_window(self, plan.epoch_iterator, num_batches)
+                window = engine.open_window(iterator, num_batches)
                 if rng_to_sync:  # the skipped batches drew from the RNG: restore the checkpoint's state now
                     self._load_rng_state(resume_from_checkpoint)
                     rng_to_sync = False
-                tr_loss_step = train_window(self, model, window, plan.epoch_iterator, num_batches)
+                tr_loss_step = engine.train_window(model, window, iterator, num_batches)
                 any_rank_had_data = any_rank_had_data or sum(window.counts.num_micro_batches_per_rank) > 0
                 if tr_loss_step is DATA_RAN_OUT:
                     break  # the data ran out on every rank: the epoch ends here, nothing is carried over
@@ -369,11 +362,11 @@ class GradAccMixin:
                 windows_done += 1
                 if tr_loss_step is None:
                     continue  # no counted item on any rank: skipped, parameters unchanged
-                stepped = optimizer_step(self, window)
+                stepped = engine.optimizer_step(window)
                 if stepped is None:
                     continue  # a non-finite step, dropped on every rank: parameters and optimizer state unchanged
                 grad_norm, learning_rate = stepped
-                if self.args.logging_nan_inf_filter and not bool(torch.isfinite(tr_loss_step)):
+                if args.logging_nan_inf_filter and not bool(torch.isfinite(tr_loss_step)):
                     self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
                 else:
                     self._tr_loss += tr_loss_step.to(self._tr_loss.device)
@@ -381,23 +374,23 @@ class GradAccMixin:
                 if not is_collective_failure(error):
                     raise
                 micro_batch = None if window is None else window.index
-                raise collective_failure(self.state.global_step + 1, micro_batch, self.args) from error
+                raise collective_failure(self.state.global_step + 1, micro_batch, args) from error
             finally:
-                self._window = None
+                engine.close_window()
             self.state.global_step += 1
             self.state.epoch = epoch + (step + 1) / steps_in_epoch
             done = windows_done * samples_per_window if regrouped is not None else (step + 1) * samples_per_micro_batch
             trained = None if num_samples is None else min(first_sample + done, num_samples)
-            self.data_position = DataPosition(
+            engine.plan.data_position = DataPosition(
                 epoch=epoch, num_samples=trained, num_micro_batches=step + 1, epoch_done=step + 1 >= steps_in_epoch
             )
             if relayout and trained is not None:
                 self.state.epoch = epoch + trained / num_samples
-            self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self._maybe_log_save_evaluate(
                 self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
                 learning_rate=learning_rate,
-            )  # fmt: skip
+            )
             if self.control.should_epoch_stop or self.control.should_training_stop:
                 break
 
@@ -411,22 +404,18 @@ class GradAccMixin:
             # The loss trained since the last log, as the mean over ranks: `Trainer` adds it to the run's
             # `train_loss` at the end without reducing it. Every rank reaches this point: an agreed collective.
             self._tr_loss.copy_(self.backend.all_gather(self._tr_loss.detach()).mean(dim=0))
-        self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
+        self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
         self._maybe_log_save_evaluate(
             self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
             learning_rate=learning_rate,
-        )  # fmt: skip
-
-    def _count(self, batch: Mapping[str, Any]) -> MicroBatchCounts:
-        """The head's counts, plus the input tokens `include_num_input_tokens_seen` tracks (summed with the counts in
-        the step's one collective, not gathered per micro-batch as `Trainer._track_num_input_tokens` does)."""
-        return self._cp.count(self, batch)  # what this rank holds: the whole micro-batch, or its context-parallel shard
+        )
 
     # ------------------------------------------------------------------ one micro-batch (Trainer hooks)
     def training_step_context(self) -> contextlib.AbstractContextManager:
         """A context entered around each micro-batch's ``training_step``, its forward AND backward passes; none by
         default. A subclass that must wrap the whole step (TRL's activation offloading, see :mod:`hf_gradacc.trl`)
-        returns it here instead of overriding ``training_step``, which would switch the backend to multi-backward mode."""
+        returns it here instead of overriding ``training_step``, which would switch the backend to multi-backward
+        mode."""
         return contextlib.nullcontext()
 
     def training_step(
@@ -435,76 +424,9 @@ class GradAccMixin:
         inputs: dict[str, torch.Tensor | Any],
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
-        """Forward and backward of one micro-batch of the current window; returns its share of the logged loss."""
-        window = self._require_window("training_step")
-        if (loss := self._cp.training_step(self, model, inputs, num_items_in_batch)) is not None:
-            return loss  # context parallelism: ran below on this rank's shard, inside torch's context
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
-        # a `compute_loss_func` is the user's own loss, called with this micro-batch's count: nothing to compare it with
-        check = self._loss_check_due and window.index == 0 and self._loss_check is None and not self._loss_from_func
-        local = window.current_counts.get(self.primary_denominator)
-        # An overridden compute_loss gets this micro-batch's own count: a plain `outputs.loss` is then its mean.
-        num_items = torch.tensor(local, device=self.args.device) if self._custom_compute_loss else None
-        untouched = dict(inputs) if check else None  # an override may pop the labels the check needs
-        # An override's forward outputs, to recognise a returned `outputs.loss` that holds router terms (below).
-        seen: list[Any] = []
-        unwrapped = self.accelerator.unwrap_model(model) if self._plain_override else None
-        hook = unwrapped.register_forward_hook(lambda _m, _a, out: seen.append(out)) if unwrapped is not None else None
-        try:
-            with self.compute_loss_context_manager():
-                raw = self.compute_loss(
-                    model, inputs, return_outputs=check and not self._custom_compute_loss, num_items_in_batch=num_items
-                )
-        finally:
-            if hook is not None:
-                hook.remove()
-        parsed = parse_loss_output(raw)
-        if check:
-            self._loss_check = start_up_check(
-                parsed, window, denominator=self.primary_denominator, builtin=not self._custom_compute_loss,
-                label_smoothing=self.head.label_smoothing, dp_world_size=self.backend.dp_world_size,
-                model_mean=partial(model_mean_loss, self.accelerator.unwrap_model(model), untouched),
-            )  # fmt: skip
-        if seen and parsed.plain is not None:
-            # A mixture-of-experts model's own loss (CE mean + coef x aux): its router terms weighted by routed tokens.
-            terms = split_model_loss(
-                unwrapped, parsed.plain, seen, main_count=local, main_denominator=self.primary_denominator,
-                num_input_tokens=window.current_counts.num_input_tokens,
-            )  # fmt: skip
-            if terms is not None:
-                parsed = LossOutput(terms=terms, outputs=parsed.outputs)
-            elif returns_router_loss(unwrapped, seen):
-                logger.warning_once(
-                    "compute_loss returned a plain value that is not the model's own loss, and the model returned a "
-                    "router load-balancing loss: the value is read as a mean over target tokens, so a router term "
-                    "added to it would be weighted by target tokens, not routed tokens. Return hf_gradacc.LossTerms "
-                    "(the router term as LossTerm(coef * aux * routed_tokens, 'input_tokens')), or the model's own "
-                    "`outputs.loss`, which hf_gradacc splits exactly."
-                )
-        seen.clear()  # the outputs are not kept through the backward pass
-        del inputs, raw
-        parsed = replace(parsed, outputs=None)  # nor the start-up check's: its logits, [tokens x vocabulary]
-        parts = window.normalized_terms(parsed, primary=self.primary_denominator, warn_on_plain_loss=self.gradacc.warn_on_plain_loss)
-        window.add_term_totals(parts)
-        is_last = window.is_last
-        per_term = self.gradacc.backward_per_term and len(parts) > 1
-        if per_term and not self.backend.supports_backward_per_term:
-            logger.warning_once(
-                f"backward_per_term: the {self.backend.name} backend cannot run several backward passes through one "
-                "forward pass (DeepSpeed ZeRO-3 fails upstream); the terms are summed into ONE backward pass per "
-                "micro-batch instead. The gradient is the same."
-            )
-            per_term = False
-        if per_term:
-            for k, (_, part) in enumerate(parts):
-                last_term = k == len(parts) - 1
-                self.backward(part, final=is_last and last_term, retain_graph=not last_term)
-        else:
-            self.backward(sum((p for _, p in parts[1:]), parts[0][1]), final=is_last)
-        return sum((p.detach() for _, p in parts), torch.zeros((), device=parts[0][1].device))
+        """Forward and backward of one micro-batch of the current window (:meth:`StepEngine.micro_batch
+        <hf_gradacc.step.engine.StepEngine.micro_batch>`); returns its share of the logged loss."""
+        return self.step_engine.micro_batch(model, inputs)
 
     def compute_loss(
         self,
@@ -513,8 +435,9 @@ class GradAccMixin:
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> dict[str, LossTerm] | torch.Tensor | tuple[Any, Any]:
-        """The micro-batch's SUM-reduced loss, from the logits, as a :class:`~hf_gradacc.LossTerm`; a mixture-of-experts
-        model's router terms make it ``{"main": LossTerm, "aux": LossTerm, ...}`` (see :mod:`hf_gradacc.auxiliary`).
+        """The micro-batch's SUM-reduced loss, from the logits, as a :class:`~hf_gradacc.LossTerm`; a
+        mixture-of-experts model's router terms make it ``{"main": LossTerm, "aux": LossTerm, ...}`` (see
+        :mod:`hf_gradacc.auxiliary`).
 
         Labels are taken out of the inputs (the model does not compute a loss of its own, except on the first
         micro-batch of training, for the start-up check); seq2seq models get ``decoder_input_ids`` from
@@ -523,19 +446,7 @@ class GradAccMixin:
         """
         if self.compute_loss_func is not None:
             return self._compute_loss_with_func(model, inputs, return_outputs, num_items_in_batch)
-        window = self._window
-        training = window is not None and window.index is not None
-        check = training and self._loss_check_due and self._loss_check is None and window.index == 0
-        fused = fused_choice.runs_now(self, window, training)  # evaluation keeps the logits metrics need
-        self._fused_head_ran |= fused
-        terms, outputs = builtin_loss(
-            self.head, model, inputs, denominator=self.primary_denominator, with_model_loss=check, fused_lm_head=fused,
-            routing=window.routing if training else None, micro_batch_index=window.index if training else None,
-        )
-        result: Any = terms if len(terms) > 1 else terms[MAIN_TERM]  # a LossTerm, as in 0.1, unless router terms
-        if not training:  # evaluation / prediction: the batch mean
-            result = self._cp.batch_mean(self, terms, self.head.count(inputs), self.primary_denominator)  # cp: agreed
-        return (result, outputs) if return_outputs else result
+        return self.step_engine.builtin_loss(model, inputs, return_outputs)
 
     def _compute_loss_with_func(
         self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any
@@ -585,34 +496,47 @@ class GradAccMixin:
         """`Trainer.set_initial_training_values`, counting optimizer steps as windows when a token budget gives
         windows more than ``gradient_accumulation_steps`` micro-batches (agreed across ranks, one collective), under
         an ``accumulation_schedule``, and from a resumed checkpoint's recorded position
-        (:func:`~hf_gradacc.step.plan.training_values`)."""
-        return training_values(self, args, dataloader, super().set_initial_training_values(args, dataloader))
+        (:meth:`RunPlan.training_values <hf_gradacc.step.plan.RunPlan.training_values>`)."""
+        values = super().set_initial_training_values(args, dataloader)
+        dataset = self.train_dataset
+        return self.step_engine.plan.training_values(
+            args, dataloader, values, settings=self.gradacc, backend=self.backend,
+            samples_per_micro_batch=self._train_batch_size * data_parallel_size(self),
+            num_train_samples=len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None,
+        )
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial):
         """`Trainer._init_training_state`; a resumed run finds its epoch and what it already trained in it from the
-        schedule (windows differ in size) or the checkpoint's record (:func:`~hf_gradacc.step.plan.resumed_start`)."""
+        schedule (windows differ in size) or the checkpoint's record
+        (:meth:`RunPlan.resumed_start <hf_gradacc.step.plan.RunPlan.resumed_start>`)."""
         epochs_trained, steps_trained = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
-        return resumed_start(self, epochs_trained, steps_trained, max_steps, num_train_epochs, resume_from_checkpoint)
+        return self.step_engine.plan.resumed_start(
+            self.args, self.state.global_step, epochs_trained, steps_trained, max_steps=max_steps,
+            num_train_epochs=num_train_epochs, resume_from_checkpoint=resume_from_checkpoint,
+            schedule=self.gradacc.accumulation_schedule,
+        )
 
     # ------------------------------------------------------------------ logging, evaluation, the end
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """`Trainer.log`, with per-term losses (``loss/<name>``) and callback metrics added to training logs."""
         if "loss" in logs:
-            logs.update(self._term_log.pop_means(self.backend.all_gather, self.args.device))
-        if "loss" in logs and self._step_means:
-            logs.update({key: total / steps for key, (total, steps) in self._step_means.items()})
-            self._step_means = {}
-        if "loss" in logs and self._extra_logs:
-            logs.update(self._extra_logs)
-            self._extra_logs = {}
+            logs.update(self.step_engine.pop_logs())
         super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """`Trainer.prediction_step`, with a LossTerm from an overridden ``compute_loss`` read as its batch mean."""
-        if not self._custom_compute_loss:  # context parallelism: padded, checked (agreed) first
-            return self._cp.prediction_step(self, super().prediction_step, model, inputs, prediction_loss_only, ignore_keys)
+        """`Trainer.prediction_step`, with a LossTerm from an overridden ``compute_loss`` read as its batch mean;
+        under context parallelism on the batch padded and checked as in training (the check agreed over every rank)."""
+        engine = self.step_engine
+        cp, whole = engine.cp, inputs  # the padded copy is sharded in place by the Trainer's entry; not `whole`
+        if cp.size > 1:
+            inputs = cp.evaluation_inputs(
+                self._prepare_inputs(inputs), prediction_loss_only, self.backend.all_gather, self.args.device
+            )
+            prediction_loss_only = True
+        if not engine.source.custom_compute_loss:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         user_compute_loss = self.compute_loss
 
         def mean_compute_loss(*args: Any, **kwargs: Any) -> Any:
@@ -620,12 +544,15 @@ class GradAccMixin:
             parsed = parse_loss_output(out)
             if parsed.plain is not None:
                 return out
-            loss = self._cp.custom_batch_mean(self, parsed, inputs)  # cp: this rank's chunks, summed over the cp ranks
+            loss = cp.custom_batch_mean(  # cp: this rank's chunks, summed over the cp ranks
+                parsed, whole, counter=engine.counter, denominator=self.primary_denominator,
+                all_gather=self.backend.all_gather,
+            )
             return (loss, *out[1:]) if isinstance(out, tuple) else loss
 
         self.compute_loss = mean_compute_loss  # type: ignore[method-assign]
         try:
-            return self._cp.prediction_step(self, super().prediction_step, model, inputs, prediction_loss_only, ignore_keys)
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         finally:
             del self.compute_loss
 

@@ -215,14 +215,16 @@ def stochastic_routing(model: nn.Module) -> list[str]:
     return sorted(set(found))
 
 
-def check_router_balance(trainer: Any) -> RouterShape | None:
-    """Validate ``router_balance`` against the model and the trainer once, before the first training forward (every
-    rank alike: it reads only the model and the settings). Returns the router shape the pre-pass needs, or None
-    (``"micro_batch"``, or a model without router logits: a warning)."""
-    settings = trainer.gradacc
+def check_router_balance(
+    *, settings: Any, head: Any, model: nn.Module, backend: Any, custom_loss: bool, trainer_name: str
+) -> RouterShape | None:
+    """Validate ``router_balance`` against the model and the trainer once, at construction (every rank alike: it
+    reads only the model and the settings). Returns the router shape the pre-pass needs, or None
+    (``"micro_batch"``, or a model without router logits: a warning). ``custom_loss``: the trainer computes its loss
+    itself (an overridden ``compute_loss`` or a ``compute_loss_func``)."""
     if settings.router_balance != "global_batch":
         return None
-    base = unwrap_model(trainer.model)
+    base = unwrap_model(model)
     name = type(base).__name__
     config = getattr(base, "config", None)
     if not getattr(config, "output_router_logits", False):
@@ -233,7 +235,7 @@ def check_router_balance(trainer: Any) -> RouterShape | None:
         return None
     shape = router_shape(base)
     refusals = []
-    if shape is None or trainer.head.type != "causal_lm":
+    if shape is None or head.type != "causal_lm":
         refusals.append(
             f"{name}'s router statistics cannot be read (supported: the decoder-only causal LMs whose forward calls "
             "transformers' `load_balancing_loss_func` with `num_experts` and `num_experts_per_tok`)"
@@ -241,13 +243,12 @@ def check_router_balance(trainer: Any) -> RouterShape | None:
     random = stochastic_routing(base)
     if random:
         refusals.append(f"training routes at random ({', '.join(random)}; the pre-pass would route otherwise): set them to 0")
-    if trainer._custom_compute_loss:
-        refusals.append(f"{type(trainer).__name__} computes its own loss (an overridden `compute_loss` or "
+    if custom_loss:
+        refusals.append(f"{trainer_name} computes its own loss (an overridden `compute_loss` or "
                         "`compute_loss_func`: TRL trainers, custom losses)")
     for knob in ("defer_normalization", "auto_micro_batch"):
         if getattr(settings, knob):
             refusals.append(f"`{knob}` is set")
-    backend = trainer.backend
     if backend.model_parallelism is not None:
         refusals.append(f"{backend.model_parallelism} on the {backend.describe()} backend (ranks holding copies or "
                         "shards of the same tokens)")
@@ -327,23 +328,6 @@ def routing_prepass(
     return routing
 
 
-def step_routing(trainer: Any, model: nn.Module, window: Any) -> StepRouting | None:
-    """The step's :class:`StepRouting`: the pre-pass under ``"global_batch"``; under ``"micro_batch"`` an empty one
-    the training forwards fill (for the load log) when the model returns router logits; None otherwise."""
-    log = trainer._term_log.moe
-    if not log.checked:  # once, before the first forward of training: refused by name, or the pre-pass's shape
-        log.shape, log.checked = check_router_balance(trainer), True
-    shape = log.shape
-    if shape is None:
-        shape = router_shape(trainer.model) if getattr(getattr(unwrap_model(trainer.model), "config", None),
-                                                        "output_router_logits", False) else None
-        return StepRouting(shape=shape) if shape is not None else None
-    return routing_prepass(
-        model, window.micro_batches, shape=shape, prepare=trainer._prepare_inputs, all_gather=trainer.backend.all_gather,
-        device=trainer.args.device, num_input_tokens=window.global_count("input_tokens"),
-    )  # fmt: skip
-
-
 # ------------------------------------------------------------------------------------------------ the load log
 @dataclass
 class MoeLoadLog:
@@ -353,8 +337,6 @@ class MoeLoadLog:
     the loss terms (``window.TermLog.pop_means``): no collective of its own. Every rank holds the same number of steps
     (each step is on every rank), so every rank gathers the same shape."""
 
-    shape: RouterShape | None = None  # router_balance="global_batch": the pre-pass's (check_router_balance)
-    checked: bool = False
     steps: list[torch.Tensor] = field(default_factory=list)
 
     def add(self, routing: StepRouting | None) -> None:

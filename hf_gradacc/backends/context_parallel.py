@@ -9,17 +9,18 @@ WHOLE sequence (a shard's last position predicts a token another shard holds) an
 chunks, rank ``r`` holding chunk ``r`` and chunk ``2 x cp_size - 1 - r``) and drops the attention mask inside
 attention for ``is_causal=True``.
 
-What this module adds, and the trainer asks for:
+What this module adds, and the step's owner asks for:
 
-- :meth:`ContextParallel.count`: what this rank counts is what it will hold: its shard's targets (counted once over
-  the ``cp`` group, summed with every rank's in the step's one collective), its shard's input tokens, and the
-  micro-batch's samples on ``cp`` rank 0 only (every ``cp`` rank holds the same rows). The loss is scaled by the
-  ranks FSDP2 averages over, ``dp_replicate x dp_shard x cp`` (accelerate shards over ``dp_shard_cp``): the backend's
-  ``dp_world_size``, every process when ``tp_size`` is 1 (:func:`hf_gradacc.counting.count_rule`).
-- :meth:`ContextParallel.training_step`: the micro-batch right-padded to a multiple of ``2 x cp_size`` (a padded
-  position has an ignored target and, under causal attention, is seen by no real token), then the Trainer's entry,
-  then the trainer's ``training_step`` inside the context: forward AND backward, as the stock Trainer runs them.
-- :meth:`ContextParallel.prediction_step` / :meth:`ContextParallel.batch_mean`: evaluation on the shards, the
+- :meth:`ContextParallel.count_view`: what this rank will hold of a micro-batch, which the counter
+  (:class:`hf_gradacc.counting.Counter`) counts: its shard's targets (counted once over the ``cp`` group, summed with
+  every rank's in the step's one collective), its shard's input tokens, and the micro-batch's samples on ``cp`` rank 0
+  only (every ``cp`` rank holds the same rows). The loss is scaled by the ranks FSDP2 averages over,
+  ``dp_replicate x dp_shard x cp`` (accelerate shards over ``dp_shard_cp``): the mesh's ``dp_world_size``.
+- :meth:`ContextParallel.pad` and :meth:`ContextParallel.entered`: the micro-batch right-padded to a multiple of
+  ``2 x cp_size`` (a padded position has an ignored target and, under causal attention, is seen by no real token),
+  then the Trainer's entry, then the micro-batch inside the context: forward AND backward, as the stock Trainer runs
+  them (:meth:`hf_gradacc.step.engine.StepEngine.micro_batch`).
+- :meth:`ContextParallel.evaluation_inputs` / :meth:`ContextParallel.batch_mean`: evaluation on the shards, the
   batch checked and padded as in training (the check agreed over every rank before any forward), each batch's loss
   summed and counted over the ``cp`` group: ``eval_loss`` is the unsharded run's.
 - :func:`context_parallel_for`: the combinations refused by name at construction (see its docstring).
@@ -31,10 +32,11 @@ itself is in the GPU tier (tests/gpu/test_context_parallel.py, 2 CUDA devices).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +46,6 @@ from ..builtin_loss import batch_mean_loss
 from ..counting import LABEL_KEY, PACKED_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, context_parallel_shard
 from ..errors import GradAccCompatibilityError, GradAccConfigError, GradAccDataError
 from ..loss import IGNORE_INDEX
-
-if TYPE_CHECKING:
-    from ..mixin import GradAccMixin
 
 logger = logging.get_logger(__name__)
 
@@ -77,7 +76,6 @@ class ContextParallel:
         ```python
         cp = ContextParallel(size=2, rank=1)
         shard = cp.count_view(batch)                  # what rank 1 holds once torch shards the micro-batch
-        counts = cp.count(trainer, batch)             # its tokens; samples only on cp rank 0
         ```
     """
 
@@ -88,7 +86,7 @@ class ContextParallel:
             raise GradAccConfigError(f"context-parallel rank {rank} of `cp_size` {size}: expected 0 <= rank < size")
         self.size, self.rank, self.ignore_index = size, rank, ignore_index
         self.group_ranks = tuple(range(size)) if group_ranks is None else tuple(group_ranks)
-        self._inside = False  # True while the trainer's training_step runs inside the context
+        self.inside = False  # True while a micro-batch runs inside the context (on its shard)
 
     @property
     def multiple(self) -> int:
@@ -120,48 +118,25 @@ class ContextParallel:
         the whole sequence, cut by the head-tail layout)."""
         return context_parallel_shard(self.pad(batch), self.size, self.rank, ignore_index=self.ignore_index)
 
-    def count(self, trainer: GradAccMixin, batch: Mapping[str, Any]) -> MicroBatchCounts:
-        """The trainer's counts (the head's, and the input tokens `include_num_input_tokens_seen` tracks) of what this
-        rank holds: without context parallelism the micro-batch; with it, this rank's shard: its targets and input
-        tokens, which add up over the ``cp`` group to the micro-batch's, and its samples on ``cp`` rank 0 only (the
-        ``cp`` ranks hold the same rows)."""
-        seen = (trainer.args.include_num_input_tokens_seen, getattr(trainer.model, "main_input_name", "input_ids"),
-                getattr(trainer.processing_class, "pad_token_id", None))  # fmt: skip
-        if self.size == 1:
-            return trainer.head.count_with_seen_tokens(batch, *seen)
-        counts = trainer.head.count_with_seen_tokens(self.count_view(batch), *seen)
-        return counts if self.rank == 0 else replace(counts, num_samples=0)
-
-    def training_step(
-        self, trainer: GradAccMixin, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any
-    ) -> torch.Tensor | None:
-        """Run ``trainer.training_step`` on this rank's shard inside torch's context (forward and backward); None
-        when already inside (the trainer's own call below), so that the caller goes on with the shard, and without
-        context parallelism."""
-        if self._inside or self.size == 1:
-            return None
-        inputs = self.pad(trainer._prepare_inputs(inputs))
-        cp_context, inputs = trainer._prepare_context_parallel_inputs(model, inputs)
-        self._inside = True
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """While this rank's shard of a micro-batch runs inside torch's context (the step's owner enters it once)."""
+        self.inside = True
         try:
-            with cp_context():
-                return trainer.training_step(model, inputs, num_items_in_batch)
+            yield
         finally:
-            self._inside = False
+            self.inside = False
 
     # ------------------------------------------------------------------ evaluation
-    def prediction_step(
-        self, trainer: GradAccMixin, step: Any, model: torch.nn.Module, inputs: dict[str, Any],
-        prediction_loss_only: bool, ignore_keys: list[str] | None = None,
-    ) -> tuple[torch.Tensor | None, Any, Any]:  # fmt: skip
-        """`Trainer.prediction_step` (``step``, which enters the Trainer's context-parallel entry itself) on an
-        evaluation batch. Under context parallelism the batch is first checked and padded as in training, the check
-        agreed over every rank in one collective (a rank whose batch torch cannot shard stops every rank before any
-        forward, so none waits in the model's collectives), and the trainer's ``compute_loss`` returns the batch's
-        mean over its whole sequences (:meth:`batch_mean`). The logits and labels would be this rank's chunks of
-        each sequence: ``prediction_loss_only=False`` (``compute_metrics``, ``predict``) is refused by name."""
-        if self.size == 1:
-            return step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+    def evaluation_inputs(
+        self, inputs: dict[str, Any], prediction_loss_only: bool, all_gather: Callable, device: Any
+    ) -> dict[str, Any]:
+        """An evaluation batch (already prepared) ready for `Trainer.prediction_step` (which enters the Trainer's
+        context-parallel entry itself): checked and padded as in training, the check agreed over every rank in one
+        collective (a rank whose batch torch cannot shard stops every rank before any forward, so none waits in the
+        model's collectives); the trainer's ``compute_loss`` then returns the batch's mean over its whole sequences
+        (:meth:`batch_mean`). The logits and labels would be this rank's chunks of each sequence:
+        ``prediction_loss_only=False`` (``compute_metrics``, ``predict``) is refused by name."""
         if not prediction_loss_only:
             raise GradAccConfigError(
                 f"Evaluation with logits under context parallelism (`cp_size` {self.size}): each rank holds its chunks "
@@ -169,9 +144,9 @@ class ContextParallel:
                 "labels. `eval_loss` alone is exact here: set `compute_metrics=None` (or `prediction_loss_only=True`), "
                 "or evaluate with `cp_size: 1`."
             )
-        return step(model, self.agreed_pad(trainer, trainer._prepare_inputs(inputs)), True, ignore_keys=ignore_keys)
+        return self.agreed_pad(inputs, all_gather, device)
 
-    def agreed_pad(self, trainer: GradAccMixin, batch: Mapping[str, Any]) -> dict[str, Any]:
+    def agreed_pad(self, batch: Mapping[str, Any], all_gather: Callable, device: Any) -> dict[str, Any]:
         """:meth:`pad` (with :func:`check_micro_batch`), its verdict agreed over every rank (one collective): a
         rank's refused batch raises on that rank, and on every other one a :class:`~hf_gradacc.GradAccDataError`
         naming it, instead of a wait in the next collective."""
@@ -181,7 +156,7 @@ class ContextParallel:
             padded = self.pad(batch)
         except GradAccDataError as exc:  # agreed below: every rank stops
             error = exc
-        flags = trainer.backend.all_gather(torch.tensor([int(error is not None)], device=trainer.args.device))
+        flags = all_gather(torch.tensor([int(error is not None)], device=device))
         failed = [int(r) for r in flags.reshape(-1).nonzero().flatten()]
         if error is not None:
             raise error
@@ -193,7 +168,7 @@ class ContextParallel:
         return padded
 
     def batch_mean(
-        self, trainer: GradAccMixin, terms: dict[str, Any], counts: MicroBatchCounts, denominator: str
+        self, terms: dict[str, Any], counts: MicroBatchCounts, denominator: str, all_gather: Callable
     ) -> torch.Tensor:
         """One evaluation batch's mean loss (``compute_loss`` outside training). Without context parallelism
         :func:`~hf_gradacc.builtin_loss.batch_mean_loss` of the batch; with it, each term's sum and the counted
@@ -207,7 +182,7 @@ class ContextParallel:
         device = terms[names[0]].total.device
         local = torch.stack([*(terms[n].total.detach().reshape(()).to(torch.float64) for n in names),
                              torch.tensor(float(counts.num_tokens), dtype=torch.float64, device=device)])  # fmt: skip
-        rows = trainer.backend.all_gather(local).reshape(-1, local.numel())
+        rows = all_gather(local).reshape(-1, local.numel())
         summed = rows[list(self.group_ranks)].sum(0).to(device)
         whole = {n: replace(terms[n], total=summed[i].to(terms[n].total.dtype)) for i, n in enumerate(names)}
         return batch_mean_loss(whole, replace(counts, num_tokens=int(round(float(summed[-1])))), denominator)
@@ -230,14 +205,17 @@ class ContextParallel:
             rows = rows[: state.remainder]
         return rows
 
-    def custom_batch_mean(self, trainer: GradAccMixin, parsed: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+    def custom_batch_mean(
+        self, parsed: Any, batch: Mapping[str, Any], *, counter: Any, denominator: str, all_gather: Callable
+    ) -> torch.Tensor:
         """An overridden ``compute_loss``'s LossTerms (``parsed``, a :class:`~hf_gradacc.loss.LossOutput`) as one
-        evaluation batch's mean: over ``batch``'s counts; under context parallelism over the counts of this rank's
-        chunks, then summed over the ``cp`` group (:meth:`batch_mean`)."""
+        evaluation batch's mean: over ``batch``'s counts (``counter``: a :class:`~hf_gradacc.counting.Counter`); under
+        context parallelism over the counts of this rank's chunks, then summed over the ``cp`` group
+        (:meth:`batch_mean`)."""
         if self.size == 1:
-            return parsed.batch_mean(trainer.head.count(batch))
-        counts = trainer.head.count(self.count_view(batch))
-        return self.batch_mean(trainer, parsed.terms, counts, trainer.primary_denominator)
+            return parsed.batch_mean(counter.count_batch(batch))
+        counts = counter.count_batch(self.count_view(batch))
+        return self.batch_mean(parsed.terms, counts, denominator, all_gather)
 
 
 def check_micro_batch(batch: Mapping[str, Any]) -> None:
@@ -287,11 +265,23 @@ def _restarts(position_ids: torch.Tensor) -> bool:
     return position_ids.dim() == 2 and position_ids.shape[1] > 1 and bool((position_ids[:, 1:] <= position_ids[:, :-1]).any())
 
 
-def context_parallel_for(trainer: GradAccMixin, *, size: int | None = None, rank: int | None = None) -> ContextParallel:
-    """The trainer's :class:`ContextParallel` (of size 1 when ``cp_size`` is 1), after refusing by name what is not
-    exact.
-    ``size`` / ``rank``: the ``cp`` group's size and this rank's place in it; by default accelerate's
-    ``parallelism_config.cp_size`` and the ``cp`` mesh dimension (given, for a simulated group in tests).
+def context_parallel_for(
+    *,
+    accelerator: Any,
+    settings: Any,
+    head: Any,
+    model: Any,
+    source: Any,
+    trainer_class: type,
+    size: int | None = None,
+    rank: int | None = None,
+) -> tuple[ContextParallel, Callable | None]:
+    """This rank's :class:`ContextParallel` (of size 1 when ``cp_size`` is 1), after refusing by name what is not
+    exact, and the ``gather_function`` evaluation must use (None: accelerate's own). ``size`` / ``rank``: the ``cp``
+    group's size and this rank's place in it; by default accelerate's ``parallelism_config.cp_size`` and the ``cp``
+    mesh dimension (given, for a simulated group in tests). ``source``: where the trainer's loss comes from
+    (:class:`~hf_gradacc.step.engine.LossSource`); ``trainer_class``: the trainer's class (it must have the Trainer's
+    context-parallel entry).
 
     The backend check (:func:`hf_gradacc.backends.sharded_model.check_context_parallel`) already admitted only
     FSDP2 with ``cp_backend="torch"``, ``tp_size`` 1 and ``sp_size`` 1. Refused here, each with its reason:
@@ -301,22 +291,24 @@ def context_parallel_for(trainer: GradAccMixin, *, size: int | None = None, rank
       seq2seq) would be trained causally (accelerate forces ``is_causal=True``);
     - attention other than SDPA (torch shards SDPA only);
     - ``fused_lm_head=True`` (its start-up row check picks a row per rank: the ``cp`` ranks would run attention on
-      different rows; the automatic choice is set off), ``pack_micro_batches`` (samples would attend to each other), an overridden ``training_step``
-      (it would bypass the context), a mixture-of-experts router term (a function of the whole micro-batch's
-      routing, computed per shard).
+      different rows; the automatic choice is off, :mod:`hf_gradacc.fused.choice`), ``pack_micro_batches`` (samples
+      would attend to each other), an overridden ``training_step`` (it would bypass the context), a mixture-of-experts
+      router term (a function of the whole micro-batch's routing, computed per shard).
 
     An overridden ``compute_loss`` (or ``compute_loss_func``) runs on the shard and gets a warning: it must take the
     targets from ``shift_labels`` (never shift ``labels`` itself).
 
     Example:
         ```python
-        trainer._cp = context_parallel_for(trainer)   # done by GradAccMixin at construction
+        cp, gather = context_parallel_for(accelerator=trainer.accelerator, settings=trainer.gradacc,
+                                          head=trainer.head, model=trainer.model, source=source,
+                                          trainer_class=type(trainer))   # done by GradAccMixin at construction
         ```
     """
-    size = cp_size_of(trainer.accelerator) if size is None else size
+    size = cp_size_of(accelerator) if size is None else size
     if size <= 1:
-        return ContextParallel(size=1, rank=0)
-    if not hasattr(trainer, "_prepare_context_parallel_inputs"):
+        return ContextParallel(size=1, rank=0), None
+    if not hasattr(trainer_class, "_prepare_context_parallel_inputs"):
         import transformers
 
         raise GradAccCompatibilityError(
@@ -328,9 +320,7 @@ def context_parallel_for(trainer: GradAccMixin, *, size: int | None = None, rank
     check_members(tuple(m for m in OPTIONAL_MEMBERS if m.name == "_prepare_context_parallel_inputs"))
     from ..heads import unwrap_model
 
-    settings, head = trainer.gradacc, trainer.head
-    base = unwrap_model(trainer.model)
-    config = getattr(base, "config", None)
+    config = getattr(unwrap_model(model), "config", None)
     why = None
     if head.type != "causal_lm":
         why = (
@@ -339,27 +329,30 @@ def context_parallel_for(trainer: GradAccMixin, *, size: int | None = None, rank
             "position, which lives on one shard; a bidirectional head would be trained causally)"
         )
     elif getattr(config, "_attn_implementation", "sdpa") != "sdpa":
-        why = (f"attention is {config._attn_implementation!r}: torch's context parallelism shards SDPA only; load the "
-               "model with `attn_implementation=\"sdpa\"`")  # fmt: skip
+        why = (
+            f"attention is {config._attn_implementation!r}: torch's context parallelism shards SDPA only; load the "
+            "model with `attn_implementation=\"sdpa\"`"
+        )
     elif settings.fused_lm_head:
-        why = ("`fused_lm_head=True`: its start-up check runs one row per rank, and the cp ranks must run attention on "
-               "the same rows; set `fused_lm_head=False`")  # fmt: skip
+        why = (
+            "`fused_lm_head=True`: its start-up check runs one row per rank, and the cp ranks must run attention on "
+            "the same rows; set `fused_lm_head=False`"
+        )
     elif settings.pack_micro_batches:
         why = "`pack_micro_batches=True`: the packed samples would attend to each other; set it to False"
-    elif trainer._custom_training_step:
-        why = (f"{type(trainer).__name__} overrides `training_step`, which would run outside the context-parallel "
-               "context; put the extra work in `compute_loss`")  # fmt: skip
+    elif source.custom_training_step:
+        why = (
+            f"{trainer_class.__name__} overrides `training_step`, which would run outside the context-parallel "
+            "context; put the extra work in `compute_loss`"
+        )
     elif getattr(config, "output_router_logits", False):
-        why = ("the model returns a router load-balancing term, a function of the routing of the whole micro-batch, "
-               "which each shard would compute on its chunks only; set `output_router_logits=False`")  # fmt: skip
+        why = (
+            "the model returns a router load-balancing term, a function of the routing of the whole micro-batch, "
+            "which each shard would compute on its chunks only; set `output_router_logits=False`"
+        )
     if why is not None:
         raise GradAccConfigError(f"`parallelism_config.cp_size` ({size}) cannot be trained exactly here: {why}.")
-    if getattr(trainer, "_fused_choice", False) is None:  # `fused_lm_head=None`, automatic: off, for the reason above
-        from ..fused.choice import FusedChoice
-
-        trainer._fused_choice = FusedChoice(enabled=False, reason=(
-            f"context parallelism (`cp_size` {size}): the fused head's start-up check runs one row per rank"))  # fmt: skip
-    if trainer._custom_compute_loss:
+    if source.custom_compute_loss:
         logger.warning_once(
             "Context parallelism with an overridden `compute_loss` / `compute_loss_func`: it runs on this rank's "
             "chunks of each sequence. Take the targets from `inputs['shift_labels']` (made from the whole sequence), "
@@ -368,12 +361,11 @@ def context_parallel_for(trainer: GradAccMixin, *, size: int | None = None, rank
             "averaged over the ranks: not the batch's mean."
         )
     if rank is not None:  # a simulated group (tests): the caller gathers
-        return ContextParallel(size=size, rank=rank, ignore_index=head.ignore_index)
-    mesh = trainer.accelerator.torch_device_mesh
+        return ContextParallel(size=size, rank=rank, ignore_index=head.ignore_index), None
+    mesh = accelerator.torch_device_mesh
     cp_mesh = mesh["cp"]
     rank, group_ranks = int(cp_mesh.get_local_rank()), tuple(int(r) for r in cp_mesh.mesh.flatten().tolist())
     cp = ContextParallel(size=size, rank=rank, ignore_index=head.ignore_index, group_ranks=group_ranks)
     # evaluation gathers one copy of each batch: the rows of every group's cp rank 0
     data_ranks = tuple(sorted(int(r) for r in mesh.mesh.select(mesh.mesh_dim_names.index("cp"), 0).flatten().tolist()))
-    trainer.gather_function = partial(cp.gather_for_metrics, trainer.accelerator, data_ranks)
-    return cp
+    return cp, partial(cp.gather_for_metrics, accelerator, data_ranks)

@@ -32,8 +32,6 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from . import into_grad as fused_into_grad
-
 logger = logging.get_logger(__name__)
 
 # The fused head must be predicted at most this many times the full logits' time to be on for speed (the fit's error
@@ -200,50 +198,52 @@ def _dtype_bytes(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype, torch.float32)).element_size()
 
 
-def auto_problem(trainer: Any) -> str | None:
-    """Why automatic cannot turn the fused head on for ``trainer`` (at construction), or None: each of the setups
-    ``fused_lm_head=True`` refuses or ignores, in words."""
+def auto_problem(*, settings: Any, head: Any, backend: Any, model: Any, source: Any, trainer_name: str,
+                 cp_size: int = 1) -> str | None:
+    """Why automatic cannot turn the fused head on (at construction), or None: each of the setups
+    ``fused_lm_head=True`` refuses or ignores, in words. ``source``: where the loss comes from
+    (:class:`~hf_gradacc.step.engine.LossSource`)."""
     from ..heads import unwrap_model
     from .head import fused_support_problem
 
-    name = type(trainer).__name__
-    if trainer._custom_compute_loss:
-        return f"{name} computes its loss itself (an overridden `compute_loss` or a `compute_loss_func`)"
-    if trainer._custom_training_step:
-        return f"{name} overrides `training_step`"
-    if not trainer.gradacc.check_loss_at_start:
+    if source.custom_compute_loss:
+        return f"{trainer_name} computes its loss itself (an overridden `compute_loss` or a `compute_loss_func`)"
+    if source.custom_training_step:
+        return f"{trainer_name} overrides `training_step`"
+    if not settings.check_loss_at_start:
         return "`check_loss_at_start=False`: nothing would stop a logit transform the fused head does not apply"
-    if trainer.gradacc.defer_normalization:
+    if settings.defer_normalization:
         return "`defer_normalization=True` streams the micro-batches: the step's counts are not known before they run"
-    if trainer.backend.model_parallelism is not None:
-        return f"the run uses {trainer.backend.model_parallelism} (the fused head needs whole tokens and a whole head)"
-    problem = fused_support_problem(trainer.model, trainer.head.type, distributed=trainer.backend.dp_world_size > 1)
+    if cp_size > 1:
+        return f"context parallelism (`cp_size` {cp_size}): the fused head's start-up check runs one row per rank"
+    if backend.model_parallelism is not None:
+        return f"the run uses {backend.model_parallelism} (the fused head needs whole tokens and a whole head)"
+    problem = fused_support_problem(model, head.type, distributed=backend.dp_world_size > 1)
     if problem is not None:
         return problem
-    base = unwrap_model(trainer.model)
-    if trainer.head.type == "seq2seq" and not hasattr(base, "prepare_decoder_input_ids_from_labels"):
+    base = unwrap_model(model)
+    if head.type == "seq2seq" and not hasattr(base, "prepare_decoder_input_ids_from_labels"):
         return f"{type(base).__name__} builds its decoder inputs from the labels"
     return None
 
 
-def shape_of(trainer: Any, window: Any) -> HeadShape:
-    """The LM head of ``trainer`` on one micro-batch of ``window`` (a prefetched window, counted over every rank)."""
+def shape_of(window: Any, *, model: Any, head: Any, args: Any) -> HeadShape:
+    """The LM head of ``model`` on one micro-batch of ``window`` (a prefetched window, counted over every rank)."""
     from ..heads import unwrap_model
 
-    base = unwrap_model(trainer.model)
+    base = unwrap_model(model)
     counts = window.counts
     num = max(sum(counts.num_micro_batches_per_rank), 1)
     counted = counts.global_tokens / num
     # the full logits' rows: every input position of a causal or masked LM; a seq2seq model's decoder rows are not
     # counted, so there the counted targets stand for them (the fused head then wins only by its tiles)
-    positions = (counts.global_positions / num if trainer.head.type != "seq2seq" else 0) or counted
+    positions = (counts.global_positions / num if head.type != "seq2seq" else 0) or counted
     weight = getattr(base.get_output_embeddings(), "weight", None)
     if torch.is_tensor(weight) and weight.dim() == 2 and weight.numel() > 0:
         vocab, hidden = (int(n) for n in weight.shape)
     else:  # sharded or adapted: the config's sizes
         text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
         vocab, hidden = int(text.vocab_size), int(text.hidden_size)
-    args = trainer.args
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else str(weight.dtype if torch.is_tensor(weight) else torch.float32)
     return HeadShape(
         counted=counted,
@@ -264,21 +264,59 @@ def training_state_bytes(model: torch.nn.Module) -> float:
     return total
 
 
-def initial_choice(trainer: Any) -> FusedChoice | None:
-    """At construction: the decision where the setting or the setup makes it (``True`` / ``False``, or automatic
-    where the fused head cannot run, logged), or None when automatic decides on the first optimizer step."""
-    setting = trainer.gradacc.fused_lm_head
-    if setting is not None:
-        return FusedChoice(enabled=bool(setting), reason=f"`fused_lm_head={setting}`")
-    problem = auto_problem(trainer)
-    if problem is None:
-        return None
-    choice = FusedChoice(enabled=False, reason=problem)
-    logger.info(choice.message())
-    return choice
+class FusedPolicy:
+    """The run's fused-head decision (``fused_lm_head``): fixed at construction (``True`` / ``False``, or automatic
+    where the fused head cannot run, logged), or, automatic, made by :meth:`decide` on the first optimizer step's
+    counts, gathered over every rank (every rank decides alike), logged once on the main process.
+
+    Example:
+        ```python
+        policy = FusedPolicy.at_construction(settings=settings, head=head, backend=backend, model=model,
+                                             source=source, args=args, trainer_name="GradAccTrainer")
+        policy.decide(window)     # the step's owner, when the first optimizer step's counts are known
+        policy.enabled            # whether the built-in loss runs the fused head in training
+        ```
+    """
+
+    def __init__(self, choice: FusedChoice | None, *, model: Any = None, head: Any = None, args: Any = None) -> None:
+        self.choice, self._model, self._head, self._args = choice, model, head, args
+
+    @classmethod
+    def at_construction(cls, *, settings: Any, head: Any, backend: Any, model: Any, source: Any, args: Any,
+                        trainer_name: str, cp_size: int = 1) -> FusedPolicy:
+        """The decision where the setting or the setup makes it: ``fused_lm_head=True`` checked (ignored with a
+        warning when the trainer computes its loss itself, refused where it cannot run), ``False``, or automatic
+        (off where :func:`auto_problem` names a reason, logged; else decided on the first optimizer step)."""
+        setting = settings.fused_lm_head
+        if setting:
+            from .head import check_fused_setting
+
+            check_fused_setting(model=model, head_type=head.type, backend=backend, source=source,
+                                trainer_name=trainer_name)
+        if setting is not None:
+            return cls(FusedChoice(enabled=bool(setting), reason=f"`fused_lm_head={setting}`"))
+        problem = auto_problem(settings=settings, head=head, backend=backend, model=model, source=source,
+                               trainer_name=trainer_name, cp_size=cp_size)
+        if problem is None:
+            return cls(None, model=model, head=head, args=args)
+        choice = FusedChoice(enabled=False, reason=problem)
+        logger.info(choice.message())
+        return cls(choice)
+
+    def decide(self, window: Any) -> FusedChoice:
+        """Automatic, on the first optimizer step: the cost model on that step's counts; the decision made before,
+        otherwise."""
+        if self.choice is None:
+            self.choice = decide(window, model=self._model, head=self._head, args=self._args)
+        return self.choice
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the fused head runs on a training micro-batch (the run's decision)."""
+        return self.decide(None).enabled if self.choice is None else self.choice.enabled
 
 
-def decide(trainer: Any, window: Any) -> FusedChoice:
+def decide(window: Any, *, model: Any, head: Any, args: Any) -> FusedChoice:
     """Automatic, on the first optimizer step: the cost model on that step's counts (gathered over every rank, so
     every rank decides alike), logged once on the main process."""
     if window is None or window.streamed:
@@ -286,25 +324,7 @@ def decide(trainer: Any, window: Any) -> FusedChoice:
     elif window.counts.weighted:  # hf_gradacc.weights: the tiles sum unweighted targets
         choice = FusedChoice(enabled=False, reason="the step's batches carry `loss_weights`, which the fused head does not weigh")
     else:
-        choice = choose(shape_of(trainer, window), state_bytes=training_state_bytes(trainer.model))
-    if trainer.args.process_index == 0:
+        choice = choose(shape_of(window, model=model, head=head, args=args), state_bytes=training_state_bytes(model))
+    if args.process_index == 0:
         logger.info(choice.message())
     return choice
-
-
-def runs_now(trainer: Any, window: Any, training: bool) -> bool:
-    """Whether this micro-batch's loss runs the fused head (:func:`is_on` in training, never in evaluation). Where it
-    does not, the weight-gradient buffer kept for the next window (:mod:`hf_gradacc.fused.into_grad`) is let go:
-    evaluation needs no gradient, and the full logits make their own."""
-    fused = training and is_on(trainer, window)
-    if not fused:
-        fused_into_grad.release_buffers()
-    return fused
-
-
-def is_on(trainer: Any, window: Any) -> bool:
-    """Whether the fused head runs on this training micro-batch: the run's decision, made by :func:`decide` on the
-    first optimizer step when automatic (``trainer._fused_choice`` None until then)."""
-    if trainer._fused_choice is None:
-        trainer._fused_choice = decide(trainer, window)
-    return trainer._fused_choice.enabled

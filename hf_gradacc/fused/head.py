@@ -440,23 +440,24 @@ def fused_support_problem(model: nn.Module, head_type: str | None, *, distribute
     return fused_head_problem(base)
 
 
-def check_fused_setting(trainer: Any) -> None:
+def check_fused_setting(*, model: Any, head_type: Any, backend: Any, source: Any, trainer_name: str) -> None:
     """Once, at construction, with ``fused_lm_head=True``: ignored with a warning when the trainer computes its loss
-    itself; else refused with a :class:`~hf_gradacc.GradAccConfigError` where it cannot run (the model, the head, the
-    head on several processes). The backend needs no check here: every backend GradAccTrainer resolves (DDP,
-    DeepSpeed, FSDP2) is one the fused head is tested under."""
+    itself (``source``: :class:`~hf_gradacc.step.engine.LossSource`); else refused with a
+    :class:`~hf_gradacc.GradAccConfigError` where it cannot run (the model, the head, the head on several processes).
+    The backend needs no check here: every backend GradAccTrainer resolves (DDP, DeepSpeed, FSDP2) is one the fused
+    head is tested under."""
     from transformers.utils import logging
 
     from ..errors import GradAccConfigError
 
-    if trainer._custom_compute_loss:
+    if source.custom_compute_loss:
         logging.get_logger(__name__).warning(
-            f"`fused_lm_head=True` is ignored: {type(trainer).__name__} computes its loss itself (an overridden "
+            f"`fused_lm_head=True` is ignored: {trainer_name} computes its loss itself (an overridden "
             "`compute_loss` or a `compute_loss_func`), so the LM head runs wherever that code runs it. Set "
             "`fused_lm_head=False`, or leave the loss to hf_gradacc's built-in one."
         )
         return
-    problem = fused_support_problem(trainer.model, trainer.head.type, distributed=trainer.backend.dp_world_size > 1)
+    problem = fused_support_problem(model, head_type, distributed=backend.dp_world_size > 1)
     if problem is not None:
         raise GradAccConfigError(f"`fused_lm_head=True` cannot run here: {problem}. Set `fused_lm_head=False`.")
 

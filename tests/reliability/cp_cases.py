@@ -24,7 +24,10 @@ def cp_sequence_classifier() -> None:
     samples = make_samples("sequence_classification", 4, seed=1)
     trainer = GradAccTrainer(model=build_tiny_model("sequence_classification"), args=args,
                              train_dataset=ListDataset(samples), data_collator=PaddingCollator())  # fmt: skip
-    context_parallel_for(trainer, size=2, rank=0)
+    context_parallel_for(
+        accelerator=trainer.accelerator, settings=trainer.gradacc, head=trainer.head, model=trainer.model,
+        source=trainer.step_engine.source, trainer_class=type(trainer), size=2, rank=0,
+    )
 
 
 def cp_left_padding() -> None:
@@ -37,4 +40,4 @@ def cp_left_padding() -> None:
 def cp_evaluation_with_logits() -> None:
     """`compute_metrics` / `predict` under cp 2 (``prediction_loss_only=False``): refused at the first evaluation batch,
     before the batch is looked at."""
-    ContextParallel(size=2, rank=0).prediction_step(None, None, None, {}, prediction_loss_only=False)
+    ContextParallel(size=2, rank=0).evaluation_inputs({}, False, lambda t: t[None], "cpu")

@@ -33,9 +33,11 @@ from hf_gradacc import GradAccConfig, GradAccTrainer, LossTerm
 from hf_gradacc.backends.context_parallel import ContextParallel, check_micro_batch, context_parallel_for
 from hf_gradacc.backends.sharded_model import check_context_parallel
 from hf_gradacc.checkpoints import DATA_NAME, POSITION_KEY, check_data_layout, data_parallel_size
-from hf_gradacc.counting import count_micro_batch
+from hf_gradacc.counting import Counter, count_micro_batch
 from hf_gradacc.errors import GradAccConfigError, GradAccDataError, GradAccLossError, UnsupportedBackendError
+from hf_gradacc.fused.choice import FusedPolicy
 from hf_gradacc.heads import Head
+from hf_gradacc.step.engine import LossSource
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.reference import compare, float64_copy, full_batch_loss, reference_gradients
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
@@ -113,14 +115,28 @@ class _Counts(TrainerCallback):
                              [mb.num_tokens for mb in window.counts.micro_batches]))  # fmt: skip
 
 
+def cp_for(trainer, **kwargs) -> ContextParallel:
+    """:func:`context_parallel_for` with ``trainer``'s values, as GradAccMixin calls it at construction."""
+    cp, _ = context_parallel_for(
+        accelerator=trainer.accelerator, settings=trainer.gradacc, head=trainer.head, model=trainer.model,
+        source=trainer.step_engine.source, trainer_class=type(trainer), **kwargs,
+    )
+    return cp
+
+
 def simulate_rank(trainer, cp: int, rank: int, exchange: Exchange, *, cp_object=None) -> None:
     """Put ``trainer`` on simulated ``cp`` rank ``rank``: its ContextParallel, the Trainer's real entry with a
     context-parallel accelerator stand-in, the exchange as its count collective, FSDP2's average over ``cp`` ranks
     (the backend's ``dp_world_size``) and no DDP sync (one process)."""
-    assert trainer._cp.size == 1  # a one-process trainer: no context parallelism until simulated
-    assert context_parallel_for(trainer, size=cp, rank=rank).size == cp  # the construction-time checks and settings
-    assert getattr(trainer, "_fused_choice", None) is None or not trainer._fused_choice.enabled  # automatic: off
-    trainer._cp = cp_object or ContextParallel(size=cp, rank=rank)
+    engine = trainer.step_engine
+    assert engine.cp.size == 1  # a one-process trainer: no context parallelism until simulated
+    assert cp_for(trainer, size=cp, rank=rank).size == cp  # the construction-time checks and settings
+    engine.fused = FusedPolicy.at_construction(  # the construction-time fused-head decision under cp: automatic is off
+        settings=trainer.gradacc, head=trainer.head, backend=trainer.backend, model=trainer.model,
+        source=engine.source, args=trainer.args, trainer_name=type(trainer).__name__, cp_size=cp,
+    )
+    assert not engine.fused.enabled
+    engine.cp = engine.counter.cp = cp_object or ContextParallel(size=cp, rank=rank)
     stand_in = SimpleNamespace(
         _attn_mask_causal_checked=False,
         accelerator=SimpleNamespace(
@@ -267,8 +283,6 @@ def test_start_up_check_stops_a_whole_sequence_count_on_a_shard():
 def test_count_view_is_what_the_trainer_entry_and_torch_give_each_rank(cp):
     """ContextParallel.count_view (what a rank counts) equals the Trainer's entry + torch's cut (what it trains on),
     tensor for tensor; the shards' targets add up to the micro-batch's, its samples counted on cp rank 0 only."""
-    counting_trainer = SimpleNamespace(args=SimpleNamespace(include_num_input_tokens_seen="no"), model=None,
-                                       processing_class=None, head=Head(type="causal_lm"))  # fmt: skip
     for seed in range(3):
         batch = PaddingCollator()(make_samples("causal_lm", 5, seed=seed))
         whole = count_micro_batch(batch, "causal_lm")
@@ -286,7 +300,7 @@ def test_count_view_is_what_the_trainer_entry_and_torch_give_each_rank(cp):
             assert set(view) == set(inputs)
             for key, value in inputs.items():
                 torch.testing.assert_close(view[key], value.index_select(1, mine), rtol=0, atol=0, msg=key)
-            counts = helper.count(counting_trainer, batch)
+            counts = Counter(Head(type="causal_lm"), cp=helper).count(batch)
             tokens, samples = tokens + counts.num_tokens, samples + counts.num_samples
         assert (tokens, samples) == (whole.num_tokens, whole.num_samples)
 
@@ -330,7 +344,7 @@ def test_sequence_classification_cannot_be_sharded():
     with pytest.raises(IndexError):  # the stock entry shifts the per-row labels as if they were per position
         Trainer._prepare_context_parallel_inputs(stand_in, model, dict(batch))
     with pytest.raises(GradAccConfigError, match="sequence_classification"):
-        context_parallel_for(_fake_trainer(head_type="sequence_classification"))
+        context_parallel_for(**_fake_trainer(head_type="sequence_classification"))
 
 
 class _Mesh(dict):
@@ -344,14 +358,13 @@ def _fake_trainer(**changes):
     config = SimpleNamespace(_attn_implementation=settings["attn"], output_router_logits=settings["router"])
     mesh = _Mesh(cp=SimpleNamespace(get_local_rank=lambda: 1, mesh=torch.tensor([4, 5])))  # cp ranks 4 and 5 of 8
     mesh.mesh, mesh.mesh_dim_names = torch.arange(8).reshape(2, 2, 2), ("dp_replicate", "dp_shard", "cp")
-    return SimpleNamespace(
+    return dict(
         accelerator=SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=2), torch_device_mesh=mesh),
-        _prepare_context_parallel_inputs=None,
-        gradacc=SimpleNamespace(fused_lm_head=settings["fused_lm_head"], pack_micro_batches=settings["pack_micro_batches"]),
+        trainer_class=type("Entry", (), {"_prepare_context_parallel_inputs": None}),
+        settings=SimpleNamespace(fused_lm_head=settings["fused_lm_head"], pack_micro_batches=settings["pack_micro_batches"]),
         head=SimpleNamespace(type=settings["head_type"], ignore_index=-100),
         model=SimpleNamespace(config=config),
-        _custom_training_step=settings["custom_step"],
-        _custom_compute_loss=False,
+        source=LossSource(custom_training_step=settings["custom_step"]),
     )
 
 
@@ -368,14 +381,13 @@ def _fake_trainer(**changes):
 )
 def test_settings_cp_cannot_hold_are_refused_at_construction(change, match):
     with pytest.raises(GradAccConfigError, match=match):
-        context_parallel_for(_fake_trainer(**change))
+        context_parallel_for(**_fake_trainer(**change))
 
 
 def test_a_causal_lm_gets_its_rank_in_the_cp_group():
-    trainer = _fake_trainer()
-    cp = context_parallel_for(trainer)
+    cp, gather_function = context_parallel_for(**_fake_trainer())
     assert (cp.size, cp.rank, cp.multiple, cp.group_ranks) == (2, 1, 4, (4, 5))
-    assert trainer.gather_function.args[1] == (0, 2, 4, 6)  # evaluation gathers every cp group's rank 0 only
+    assert gather_function.args[1] == (0, 2, 4, 6)  # evaluation gathers every cp group's rank 0 only
 
 
 def test_backend_check_admits_cp_under_fsdp2_only():

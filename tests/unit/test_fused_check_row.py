@@ -1,5 +1,5 @@
 """The fused LM head's start-up check runs the model's own full-logits forward on ONE row; that row is cut after its
-first CHECK_TARGETS counted targets (hf_gradacc/fused_check_row.py), so a packed or regrouped micro-batch of long
+first CHECK_TARGETS counted targets (hf_gradacc/fused/check_row.py), so a packed or regrouped micro-batch of long
 prompts does not project its whole width at full vocabulary (docs/benchmarks.md, vocabulary 151,936)."""
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def test_automatic_turns_it_on_for_a_large_vocabulary_exactly_and_says_so_once(
     monkeypatch.setattr(fused_head, "fused_cross_entropy_sum",
                         lambda hidden, *a, **k: projected.append(hidden.shape[0]) or original(hidden, *a, **k))  # fmt: skip
     update, trainer = one_step_update(GradAccTrainer, model, samples, _args())
-    assert trainer._fused_choice.enabled and trainer._fused_head_ran
+    assert trainer.step_engine.fused.choice.enabled and trainer.step_engine.fused_head_ran
     counted = sum(len(s["labels"]) - len(s["labels"]) // 2 for s in samples)
     assert len(projected) == 5, projected  # 4 micro-batches, and the start-up check's row after the first
     assert sum(projected) - projected[1] == counted, projected
@@ -167,13 +167,13 @@ def test_automatic_turns_it_on_for_a_large_vocabulary_exactly_and_says_so_once(
 
 def test_false_keeps_the_full_logits_where_automatic_would_fuse() -> None:
     _, trainer = one_step_update(GradAccTrainer, _large_vocab_llama(), _large_vocab_samples(), _args(fused_lm_head=False))
-    assert not trainer._fused_head_ran
+    assert not trainer.step_engine.fused_head_ran
 
 
 def test_automatic_keeps_the_full_logits_at_a_tiny_vocabulary() -> None:
     samples = make_samples("causal_lm", 8, seed=3, ignore_fraction=0.0)
     _, trainer = one_step_update(GradAccTrainer, build_tiny_model("causal_lm"), samples, _args())
-    assert not trainer._fused_choice.enabled and not trainer._fused_head_ran
+    assert not trainer.step_engine.fused.choice.enabled and not trainer.step_engine.fused_head_ran
 
 
 def test_the_start_up_check_guards_what_automatic_turned_on(monkeypatch: pytest.MonkeyPatch) -> None:

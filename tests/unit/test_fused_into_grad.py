@@ -1,4 +1,4 @@
-"""The fused head's weight gradient added straight into the existing float32 ``.grad`` (hf_gradacc/fused_into_grad.py):
+"""The fused head's weight gradient added straight into the existing float32 ``.grad`` (hf_gradacc/fused/into_grad.py):
 exact against the float64 full batch with gradient accumulation (so ``.grad`` exists from the second micro-batch on),
 the in-place path actually taken there, autograd's return kept under a hook on the weight; a factor other than the one
 guessed, and a DDP backward that synchronises after a ``no_sync`` forward, are corrected; a fused loss never
@@ -14,7 +14,7 @@ import torch.distributed as dist
 import transformers as tf
 
 from hf_gradacc import GradAccConfig, GradAccTrainer, GradAccUsageError
-from hf_gradacc import fused_into_grad as into_grad
+from hf_gradacc.fused import into_grad
 from hf_gradacc.fused.head import fused_cross_entropy_sum
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import VOCAB_SIZE, build_tiny_model, make_samples

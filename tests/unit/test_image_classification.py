@@ -14,6 +14,7 @@ import torch
 from transformers import Trainer
 
 from hf_gradacc import GradAccTrainer
+from hf_gradacc.counting import Counter
 from hf_gradacc.heads import Head, detect_head_type
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.reference import compare
@@ -45,7 +46,7 @@ def test_image_classifiers_are_detected_and_counted_by_samples(architecture: str
     assert head.denominator() == "samples" and head.num_classes == NUM_LABELS
     batch = ImageCollator()(make_samples("image_classification", 8))
     assert batch["pixel_values"].shape == (8, NUM_CHANNELS, IMAGE_SIZE, IMAGE_SIZE)
-    counts = head.count(batch)
+    counts = Counter(head).count_batch(batch)
     assert (counts.num_samples, counts.num_tokens) == (7, 7)  # sample 3 is labelled -100
     assert model(pixel_values=batch["pixel_values"]).logits.shape == (8, NUM_LABELS)
 
@@ -56,7 +57,7 @@ def test_image_labels_out_of_range_are_refused() -> None:
     batch = ImageCollator()(make_samples("image_classification", 2))
     batch["labels"][0] = NUM_LABELS
     with pytest.raises(GradAccDataError, match=f"outside \\[0, {NUM_LABELS}\\)"):
-        Head.for_model(build_tiny_image_model("vit")).count(batch)
+        Counter(Head.for_model(build_tiny_image_model("vit"))).count_batch(batch)
 
 
 @pytest.mark.parametrize("architecture", ["convnext", "vit"])

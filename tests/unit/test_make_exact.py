@@ -109,7 +109,7 @@ def test_sequence_classification_subclass_is_exact_and_keeps_its_overrides() -> 
     assert comparison.relative_error <= TOLERANCE, comparison
     assert isinstance(trainer, FrameworkClassifierTrainer) and isinstance(trainer, GradAccMixin)
     assert type(trainer).__name__ == "GradAccFrameworkClassifierTrainer"
-    assert not trainer._custom_compute_loss  # the stock compute_loss is replaced by the built-in sum, not re-weighted
+    assert not trainer.step_engine.source.custom_compute_loss  # the stock compute_loss is replaced by the built-in sum, not re-weighted
     train_logs = [log for log in marks.logged if "loss" in log]
     assert train_logs and all(log["framework_marker"] == 1.0 for log in train_logs)  # its log override, its callback
     model, samples = build_tiny_model("sequence_classification"), make_samples("sequence_classification", 8, seed=1)
@@ -128,7 +128,7 @@ def test_sequence_classification_subclass_without_make_exact_is_wrong() -> None:
 def test_per_micro_batch_mean_compute_loss_is_exact(trainer_class, task: str) -> None:
     comparison, trainer = _step(_made_exact(trainer_class), task)
     assert comparison.relative_error <= TOLERANCE, comparison
-    assert trainer._custom_compute_loss and type(trainer).compute_loss is trainer_class.compute_loss
+    assert trainer.step_engine.source.custom_compute_loss and type(trainer).compute_loss is trainer_class.compute_loss
 
 
 @pytest.mark.parametrize("trainer_class", [FrameworkMeanTrainer, FrameworkSuperTrainer])

@@ -41,7 +41,7 @@ def test_auto_micro_batch_recovers_from_oom_with_the_same_update(caplog):
         per_device_train_batch_size=4, gradient_accumulation_steps=4, args_class=GradAccConfig, auto_micro_batch=True
     )
     upd, trainer = one_step_update(GradAccTrainer, fragile, samples, args)
-    assert trainer._auto_rows == 1
+    assert trainer.step_engine.auto_rows == 1
     assert "auto_micro_batch" in caplog.text
     assert trainer.state.log_history[0]["auto_micro_batch_rows"] == 1
     assert compare_with_reference(upd, model, samples, "causal_lm").relative_error <= TOL

@@ -162,7 +162,7 @@ def test_packed_fused_head_and_backward_per_term_are_exact(monkeypatch) -> None:
     assert packed_seen and all(packed_seen)  # every training forward ran on a packed row (no attention mask)
     monkeypatch.setattr(StepRouting, "global_term", original)
     _, fused, fused_trainer = _train("mixtral", 2, 4, fused_lm_head=True)
-    assert fused_trainer._fused_head_ran
+    assert fused_trainer.step_engine.fused_head_ran
     _, per_term, _ = _train("mixtral", 2, 4, backward_per_term=True)
     reference = global_balance_gradients(model, _samples(), PaddingCollator())
     for update in (packed, fused, per_term):
@@ -324,7 +324,7 @@ def test_accumulation_schedule_window_is_the_pre_pass_window() -> None:
 
 
 def test_trl_sft_trainer_is_refused_by_name(tmp_path) -> None:
-    """GradAccSFTTrainer computes its own loss (TRL's): `"global_batch"` is refused by name before any forward."""
+    """GradAccSFTTrainer computes its own loss (TRL's): `"global_batch"` is refused by name at construction."""
     pytest.importorskip("trl")
     from datasets import Dataset
 
@@ -333,7 +333,6 @@ def test_trl_sft_trainer_is_refused_by_name(tmp_path) -> None:
 
     args = one_step_args(str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=4,
                          args_class=GradAccSFTConfig, bf16=False, router_balance="global_batch")  # fmt: skip
-    trainer = GradAccSFTTrainer(model=build_tiny_moe("mixtral"), args=args, train_dataset=Dataset.from_list(sft_rows()),
-                                processing_class=word_tokenizer())  # fmt: skip
     with pytest.raises(GradAccConfigError, match=r"router_balance='global_batch'.*GradAccSFTTrainer computes its own loss"):
-        trainer.train()
+        GradAccSFTTrainer(model=build_tiny_moe("mixtral"), args=args, train_dataset=Dataset.from_list(sft_rows()),
+                          processing_class=word_tokenizer())

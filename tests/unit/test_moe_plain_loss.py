@@ -16,7 +16,7 @@ import torch
 from transformers import Trainer
 
 from hf_gradacc import GradAccTrainer, make_exact
-from hf_gradacc import mixin as mixin_module
+from hf_gradacc.step import engine as engine_module
 from hf_gradacc.commands.hf_gradacc_cli import main
 from hf_gradacc.testing.one_step import one_step_args, one_step_update
 from hf_gradacc.testing.reference import compare, reference_gradients
@@ -74,7 +74,7 @@ def test_outputs_loss_of_a_moe_model_is_exact(trainer_class, family: str, caplog
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_reading_it_whole_as_a_token_mean_is_off(family: str, monkeypatch) -> None:
     """Without the split (what the mixin did before), the router weights' update is off: the test above can fail."""
-    monkeypatch.setattr(mixin_module, "split_model_loss", lambda *args, **kwargs: None)
+    monkeypatch.setattr(engine_module, "split_model_loss", lambda *args, **kwargs: None)
     update, reference, _ = _run(PlainMoETrainer, family)
     assert compare(_router(update), _router(reference)).relative_error > 10 * ROUTER_TOLERANCE
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from hf_gradacc import GradAccConfigError
 from hf_gradacc.compat import shard_even_batches
+from hf_gradacc.counting import input_token_count
 from hf_gradacc.data import WindowRegroupBatchSampler, stock_windows
 from hf_gradacc.data.attention_cost import AttentionCostModel
 from hf_gradacc.data.pack import (
@@ -27,7 +28,6 @@ from hf_gradacc.data.pack import (
 from hf_gradacc.data.pack_check import VERIFIED_PACKED_MODEL_TYPES, check_packing_support
 from hf_gradacc.data.regroup import _count_groups, regroup_window
 from hf_gradacc.errors import GradAccDataError
-from hf_gradacc.heads import input_token_count
 from hf_gradacc.loss import causal_targets, token_count, token_cross_entropy_sum
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 

@@ -129,7 +129,7 @@ def test_a_pack_that_runs_out_of_memory_is_split_with_the_same_update(caplog) ->
     args = one_step_args(**common, pack_micro_batches=True, auto_micro_batch=True)
     with caplog.at_level(logging.WARNING):
         update, trainer = one_step_update(GradAccTrainer, model, samples, args)
-    assert trainer._auto_rows is not None and "auto_micro_batch: out of memory" in caplog.text
+    assert trainer.step_engine.auto_rows is not None and "auto_micro_batch: out of memory" in caplog.text
     assert _difference(update, plain) <= TOL
 
 

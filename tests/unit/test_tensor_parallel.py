@@ -132,7 +132,7 @@ def test_context_parallelism_is_refused_by_name_at_backend_resolution():
 
     check_context_parallel(None)
     check_context_parallel(ParallelismConfig(dp_shard_size=2))
-    # trained under FSDP2 (hf_gradacc/context_parallel.py, tests/unit/test_context_parallel.py); refused elsewhere
+    # trained under FSDP2 (hf_gradacc/backends/context_parallel.py, tests/unit/test_context_parallel.py); refused elsewhere
     accelerator = SimpleNamespace(distributed_type=DistributedType.MULTI_GPU, parallelism_config=ParallelismConfig(cp_size=2))
     with pytest.raises(UnsupportedBackendError, match=r"cp_size` \(2\).*FSDP2 only"):
         resolve_backend(accelerator, SimpleNamespace())

@@ -186,7 +186,7 @@ def test_the_mixin_drives_the_step_and_activation_offloading_wraps_forward_and_b
         Recording, GradAccSFTConfig, build_tiny_model("causal_lm"), Dataset.from_list(sft_rows()), tmp_path,
         split=(2, 4), completion_only_loss=True, max_length=None,
     )  # fmt: skip
-    assert not trainer._custom_training_step and not trainer.backend.multi_backward
+    assert not trainer.step_engine.source.custom_training_step and not trainer.backend.multi_backward
     assert calls == [True, True, True, True]  # 4 micro-batches (2+2+2+1), a backward pass inside each
     assert every_parameter_moved(update)
 

@@ -36,6 +36,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccMixin  # noqa: E402
 from hf_gradacc.compat import installed_version, trl_at_least  # noqa: E402
+from hf_gradacc.counting import Counter  # noqa: E402
 from hf_gradacc.step.window import WindowCounts  # noqa: E402
 from hf_gradacc.testing.grpo_steps import (  # noqa: E402
     GRPOStepRecorder,
@@ -223,7 +224,7 @@ def test_the_window_counts_exactly_the_completion_tokens_of_the_loss() -> None:
         "tool_mask": torch.tensor([[1, 1, 1, 1], [1, 0, 0, 1]]),
     }
     batch = _with_completion_labels(inputs, ignore_index=-100)
-    counts = Head.for_model(build_tiny_policy(), custom_loss=True).count(batch)
+    counts = Counter(Head.for_model(build_tiny_policy(), custom_loss=True)).count_batch(batch)
     assert counts.num_tokens == 4 and counts.num_samples == 2 and counts.num_input_tokens == 11
     assert batch["labels"][1].tolist() == [-100, 5, -100, -100, 1]
 

@@ -45,7 +45,7 @@ def test_fused_head_is_exact_on_vision_language_models_with_one_image_per_row(fa
     planted-bug edit of fused_head.py in another session was that edit, not the model)."""
     comparison, _update, _model, trainer = _step(family, fused_lm_head=True, check_loss_at_start=check)
     assert comparison.relative_error <= TOL, comparison
-    assert trainer._fused_head_ran
+    assert trainer.step_engine.fused_head_ran
 
 
 def test_samples_mask_prompts_and_image_tokens() -> None:
@@ -147,9 +147,9 @@ def test_one_token_off_in_the_count_fails_the_check(monkeypatch) -> None:
     """The check can fail on a VLM: the step's target count one token short (in the first micro-batch counted)."""
     from dataclasses import replace
 
-    import hf_gradacc.heads as heads
+    import hf_gradacc.counting as counting
 
-    original = heads.count_micro_batch
+    original = counting.count_micro_batch
     seen = []
 
     def one_short(batch, head_type, **kwargs):
@@ -157,7 +157,7 @@ def test_one_token_off_in_the_count_fails_the_check(monkeypatch) -> None:
         seen.append(1)
         return replace(counts, num_tokens=counts.num_tokens - 1) if len(seen) == 1 else counts
 
-    monkeypatch.setattr(heads, "count_micro_batch", one_short)
+    monkeypatch.setattr(counting, "count_micro_batch", one_short)
     comparison, *_ = _step("qwen2_5_vl", check_loss_at_start=False)  # the reference is what must catch it
     assert comparison.relative_error > 10 * TOL, comparison
 

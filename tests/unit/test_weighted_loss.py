@@ -277,6 +277,6 @@ def test_automatic_fused_head_stays_off_for_weighted_steps(monkeypatch) -> None:
     monkeypatch.setattr(fused_choice, "choose", lambda *a, **k: fused_choice.FusedChoice(enabled=True, reason="forced"))
     samples = weighted_samples("causal_lm", "per_sample", seed=4)
     update, trainer, model = one_step("causal_lm", samples)
-    assert trainer._fused_choice is not None and not trainer._fused_choice.enabled
+    assert trainer.step_engine.fused.choice is not None and not trainer.step_engine.fused.choice.enabled
     comparison = compare_with_reference(update, model, samples, "causal_lm", data_collator=collator())
     assert comparison.relative_error <= TOL, comparison

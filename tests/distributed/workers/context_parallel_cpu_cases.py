@@ -120,7 +120,7 @@ def one_step(kind: str, task: str = "causal_lm") -> dict:
     reference = reference_gradients(build_tiny_model(task), samples, task, PaddingCollator())
     return {"update": compare(update, reference).__dict__, "moved": sum(int(u.abs().sum() > 0) for u in update.values()),
             "parameters": len(update), "cp_size": trainer.accelerator.parallelism_config.cp_size,
-            "cp_rank": trainer._cp.rank if kind == "gradacc" else None, **evaluation,
+            "cp_rank": trainer.step_engine.cp.rank if kind == "gradacc" else None, **evaluation,
             "mesh": mesh_from_accelerator(trainer.accelerator, trainer.model).describe()}  # fmt: skip
 
 

@@ -201,7 +201,7 @@ def auto_run(samples, max_rows: int | None, **overrides: Any) -> dict[str, Any]:
     return {
         "model": model,
         "update": update,
-        "auto_rows": trainer._auto_rows,
+        "auto_rows": trainer.step_engine.auto_rows,
         "warnings": [m for m in warnings.messages if "auto_micro_batch" in m],
         "logs": [h for h in trainer.state.log_history if "loss" in h],
         "plain_logs": [h for h in plain_trainer.state.log_history if "loss" in h],
