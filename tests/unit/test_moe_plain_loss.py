@@ -16,8 +16,8 @@ import torch
 from transformers import Trainer
 
 from hf_gradacc import GradAccTrainer, make_exact
-from hf_gradacc.step import engine as engine_module
 from hf_gradacc.commands.hf_gradacc_cli import main
+from hf_gradacc.step import engine as engine_module
 from hf_gradacc.testing.one_step import one_step_args, one_step_update
 from hf_gradacc.testing.reference import compare, reference_gradients
 from hf_gradacc.testing.tiny import MOE_FAMILIES, PaddingCollator, build_tiny_moe, make_samples
