@@ -32,7 +32,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from ..errors import GradAccConfigError
-from ._common import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
+from ._shared import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
 from .check_grpo import add_grpo_arguments, check_grpo
 
 # --trainer: transformers' Trainer vs GradAccTrainer, or TRL's trainer vs hf_gradacc's (hf_gradacc.trl)

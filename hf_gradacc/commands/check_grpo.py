@@ -23,7 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..errors import GradAccConfigError
-from ._common import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
+from ._shared import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
 
 
 def add_grpo_arguments(check: argparse.ArgumentParser) -> None:

@@ -27,8 +27,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import _common
-from ._common import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
+from . import _shared
+from ._shared import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
 
 __all__ = ["EXIT_NOT_EXACT", "EXIT_OK", "EXIT_USAGE", "build_parser", "console_main", "finish_command", "main"]
 
@@ -89,7 +89,7 @@ def console_main() -> int:
     :func:`main` to call the command from Python.
     """
     status = main()
-    if _common.gloo_group_finished():
+    if _shared.gloo_group_finished():
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

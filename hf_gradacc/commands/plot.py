@@ -26,7 +26,7 @@ from typing import Any
 
 from ..checkpoints import TRAINER_STATE_NAME, is_complete_checkpoint
 from ..errors import GradAccConfigError, GradAccError
-from ._common import EXIT_OK, EXIT_USAGE
+from ._shared import EXIT_OK, EXIT_USAGE
 
 # (panel title, log keys drawn in it, y label); a panel is drawn when the run logged one of its keys.
 PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (

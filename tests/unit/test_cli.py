@@ -17,7 +17,7 @@ import torch
 import transformers
 from packaging.version import Version
 
-from hf_gradacc.commands import _common
+from hf_gradacc.commands import _shared
 from hf_gradacc.commands import check as check_command
 from hf_gradacc.commands import hf_gradacc_cli as cli
 from hf_gradacc.commands.hf_gradacc_cli import main
@@ -341,7 +341,7 @@ def test_console_main_returns_the_status_without_a_process_group(monkeypatch, ca
 
 def test_console_main_exits_hard_after_a_gloo_group(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["hf-gradacc"])
-    monkeypatch.setattr(_common, "_GLOO_GROUP_FINISHED", True)
+    monkeypatch.setattr(_shared, "_GLOO_GROUP_FINISHED", True)
     exits = []
     monkeypatch.setattr(os, "_exit", exits.append)
     cli.console_main()
