@@ -584,7 +584,7 @@ def environment() -> dict[str, str]:
 def plot_benchmark(rows: Sequence[BenchRow], path: str) -> None:
     """Draw, per dataset and vocabulary, the distribution of every trainer's step times and peak memory (box plots)
     into ``path`` (a PNG). Needs matplotlib (``pip install "hf_gradacc[plot]"``)."""
-    from .loss_curves import require_matplotlib
+    from ..commands._shared import require_matplotlib
 
     require_matplotlib()
     import matplotlib
