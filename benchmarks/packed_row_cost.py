@@ -30,7 +30,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from hf_gradacc.testing.benchmark import BenchSettings, build_bench_model  # noqa: E402
+from hf_gradacc.commands.bench.benchmark import BenchSettings, build_bench_model  # noqa: E402
 
 LENGTHS = (100, 80, 150, 60, 120, 90, 200, 70, 110, 44)  # 1024 tokens, a long-tailed-looking mix
 

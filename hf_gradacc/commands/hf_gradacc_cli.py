@@ -1,11 +1,12 @@
-"""The `hf-gradacc` command line (also `python -m hf_gradacc`): one subcommand per module of this package.
+"""The `hf-gradacc` command line (also `python -m hf_gradacc`): one subcommand per module or package of
+:mod:`hf_gradacc.commands`.
 
 * ``check`` (:mod:`.check`): one accumulated optimizer step, stock `Trainer` vs GradAccTrainer, against the
   float64 full-batch gradient (by default on every built-in tiny head, one row each); exit 0 only when
   GradAccTrainer is exact.
 * ``bench`` (:mod:`.bench`): the stock `Trainer` and its variants against GradAccTrainer's (the rows:
-  :func:`hf_gradacc.testing.benchmark.describe_trainers`, also the help text), timed in one run; ``--repeats`` for
-  each ratio's median and [min-max], ``--quick`` for a first look.
+  :func:`hf_gradacc.commands.bench.benchmark.describe_trainers`, also the help text), timed in one run;
+  ``--repeats`` for each ratio's median and [min-max], ``--quick`` for a first look.
 * ``plot`` (:mod:`.plot`): a run's training curves (loss, grad norm, learning rate, tokens/s, padding, effective
   batch, gradient noise scale) from its ``trainer_state.json``, to a PNG.
 
@@ -27,8 +28,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import _common
-from ._common import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
+from . import _shared
+from ._shared import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
 
 __all__ = ["EXIT_NOT_EXACT", "EXIT_OK", "EXIT_USAGE", "build_parser", "console_main", "finish_command", "main"]
 
@@ -89,7 +90,7 @@ def console_main() -> int:
     :func:`main` to call the command from Python.
     """
     status = main()
-    if _common.gloo_group_finished():
+    if _shared.gloo_group_finished():
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

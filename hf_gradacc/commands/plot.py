@@ -26,7 +26,7 @@ from typing import Any
 
 from ..checkpoints import TRAINER_STATE_NAME, is_complete_checkpoint
 from ..errors import GradAccConfigError, GradAccError
-from ._common import EXIT_OK, EXIT_USAGE
+from ._shared import EXIT_OK, EXIT_USAGE, PlotDependencyError
 
 # (panel title, log keys drawn in it, y label); a panel is drawn when the run logged one of its keys.
 PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -132,8 +132,6 @@ def plot_run(state_path: str, output: str, *, title: str | None = None) -> list[
         plot_run(find_trainer_state("out"), "out/curves.png")     # ["loss", "grad norm", "learning rate", ...]
         ```
     """
-    from ..testing.loss_curves import PlotDependencyError
-
     try:
         with open(state_path) as f:
             history = json.load(f).get("log_history", [])

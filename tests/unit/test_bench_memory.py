@@ -8,10 +8,10 @@ import argparse
 import pytest
 
 from hf_gradacc.commands import bench
-from hf_gradacc.testing.benchmark import (
+from hf_gradacc.commands.bench.bench_report import format_table
+from hf_gradacc.commands.bench.benchmark import (
     QWEN_VOCAB_SIZE,
     BenchSettings,
-    format_table,
     make_bench_samples,
     run_benchmark,
 )
@@ -62,7 +62,7 @@ def test_bench_takes_the_qwen_vocabulary_by_name() -> None:
      ("pack_fused", None, True, True)],
 )  # fmt: skip
 def test_bench_rows_a_user_would_pick_get_their_settings(tmp_path, name, budget, packs, fused) -> None:
-    from hf_gradacc.testing.benchmark import ALL_TRAINERS, TRAINERS, _trainer_args
+    from hf_gradacc.commands.bench.benchmark import ALL_TRAINERS, TRAINERS, _trainer_args
 
     settings = BenchSettings(max_tokens_per_micro_batch=512)
     args = _trainer_args(settings, name, str(tmp_path), 1)
@@ -147,8 +147,8 @@ def test_gpu_script_runs_the_fused_rows_and_liger_only_where_it_can() -> None:
     import importlib.util
     from pathlib import Path
 
+    from hf_gradacc.commands.bench.benchmark import ALL_TRAINERS, bench_dataset
     from hf_gradacc.errors import GradAccConfigError
-    from hf_gradacc.testing.benchmark import ALL_TRAINERS, bench_dataset
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
     spec = importlib.util.spec_from_file_location("bench_gpu_rows", script)
@@ -167,7 +167,7 @@ def test_bench_keeps_every_ranks_cpu_time(monkeypatch: pytest.MonkeyPatch) -> No
     """Several processes: each trainer's step CPU times of EVERY rank, gathered once (on one process: its own)."""
     import torch.distributed as dist
 
-    from hf_gradacc.testing.bench_probes import cpu_times_of_every_rank
+    from hf_gradacc.commands.bench.benchmark import cpu_times_of_every_rank
 
     local = {"stock": [1.0, 2.0], "plain": [0.5, 0.6]}
     assert cpu_times_of_every_rank(local, 1) == {"stock": [[1.0, 2.0]], "plain": [[0.5, 0.6]]}

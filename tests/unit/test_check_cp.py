@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from hf_gradacc.commands.check import check_command
-from hf_gradacc.commands.hf_gradacc_cli import build_parser
-from hf_gradacc.errors import GradAccConfigError, UnsupportedBackendError
-from hf_gradacc.testing.check_cp import (
+from hf_gradacc.commands.check.cp_rows import (
     ContextParallelCollator,
     check_context_parallel_options,
     context_parallel_size,
     context_parallel_trainer,
     cpu_attention_can_be_sharded,
 )
-from hf_gradacc.testing.check_mesh import data_ranks, mesh_collator
+from hf_gradacc.commands.check.mesh_rows import data_ranks, mesh_collator
+from hf_gradacc.commands.hf_gradacc_cli import build_parser
+from hf_gradacc.errors import GradAccConfigError, UnsupportedBackendError
 from hf_gradacc.testing.tiny import IGNORE_INDEX, PaddingCollator, build_tiny_model, make_samples
 
 CLI = build_parser()  # the `hf-gradacc` parser a user's command line goes through

@@ -9,10 +9,10 @@ import argparse
 import pytest
 
 from hf_gradacc.commands.check import check_command
+from hf_gradacc.commands.check.mesh_rows import check_options, data_ranks, head_cases, parse_distributed_config
+from hf_gradacc.commands.check.scenarios import HEAD_CASES
 from hf_gradacc.commands.hf_gradacc_cli import build_parser
 from hf_gradacc.errors import GradAccConfigError
-from hf_gradacc.testing.check_mesh import check_options, data_ranks, head_cases, parse_distributed_config
-from hf_gradacc.testing.check_scenarios import HEAD_CASES
 
 CLI = build_parser()  # the `hf-gradacc` parser a user's command line goes through
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_gradacc.commands.hf_gradacc_cli import build_parser
-from hf_gradacc.errors import GradAccConfigError
-from hf_gradacc.testing.check_mesh import check_options, data_ranks
-from hf_gradacc.testing.check_sp import (
+from hf_gradacc.commands.check.mesh_rows import check_options, data_ranks
+from hf_gradacc.commands.check.sp_rows import (
     SequenceParallelCollator,
     one_sequence_parallel_set_up,
     sequence_parallel_size,
     step_width,
 )
+from hf_gradacc.commands.hf_gradacc_cli import build_parser
+from hf_gradacc.errors import GradAccConfigError
 from hf_gradacc.testing.reference import reference_gradients
 from hf_gradacc.testing.tiny import IGNORE_INDEX, PaddingCollator, build_tiny_model, make_samples
 
@@ -52,7 +52,7 @@ def test_options_it_cannot_run_under_sequence_parallelism_are_refused_by_name(ar
 def test_more_than_one_sequence_group_on_cpu_ranks_is_refused_by_name():
     """On 4 CPU ranks (sp 2 x data 2) the stock Trainer's Ulysses loss failed in the second group's backward ("Global
     rank 0 is not part of group": torch's differentiable all_gather scatters from global ranks on gloo)."""
-    from hf_gradacc.testing.check_sp import check_sequence_parallel_options
+    from hf_gradacc.commands.check.sp_rows import check_sequence_parallel_options
 
     opts = CLI.parse_args(["check"])
     with pytest.raises(GradAccConfigError, match=r"4 processes .* make 2.*`num_processes: 2`"):

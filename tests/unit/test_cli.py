@@ -17,11 +17,11 @@ import torch
 import transformers
 from packaging.version import Version
 
-from hf_gradacc.commands import _common
+from hf_gradacc.commands import _shared
 from hf_gradacc.commands import check as check_command
 from hf_gradacc.commands import hf_gradacc_cli as cli
+from hf_gradacc.commands.check.scenarios import HEAD_CASES, synthetic_samples
 from hf_gradacc.commands.hf_gradacc_cli import main
-from hf_gradacc.testing.check_scenarios import HEAD_CASES, synthetic_samples
 from hf_gradacc.testing.tiny import TASKS
 
 TOLERANCE = 1e-5
@@ -341,7 +341,7 @@ def test_console_main_returns_the_status_without_a_process_group(monkeypatch, ca
 
 def test_console_main_exits_hard_after_a_gloo_group(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["hf-gradacc"])
-    monkeypatch.setattr(_common, "_GLOO_GROUP_FINISHED", True)
+    monkeypatch.setattr(_shared, "_GLOO_GROUP_FINISHED", True)
     exits = []
     monkeypatch.setattr(os, "_exit", exits.append)
     cli.console_main()
@@ -496,7 +496,7 @@ def test_check_trainer_without_trl_names_the_extra(monkeypatch, capsys):
 def test_the_stock_note_tells_a_wrong_size_from_a_wrong_weighting():
     """transformers 5.6's stock causal-LM step is only too small (right direction); an MoE step's router term is
     weighted wrongly (other direction): the report names the cause each time, the router only for a model with one."""
-    from hf_gradacc.testing.check_report import stock_note
+    from hf_gradacc.commands.check.report import stock_note
     from hf_gradacc.testing.reference import Comparison
 
     size_only = Comparison(relative_error=1.79e-2, cosine=1.0 - 1e-12, norm_ratio=0.9821)
@@ -560,7 +560,7 @@ def test_check_trainer_on_a_saved_moe_includes_the_router_term(tmp_path, capsys,
 def test_the_heads_note_follows_the_causal_lm_row():
     """transformers 5.6's stock causal LM is off too: the default run's note then says so instead of calling the
     causal LM the stock Trainer's exact case."""
-    from hf_gradacc.testing.check_report import HeadResult, Setup, format_heads_report
+    from hf_gradacc.commands.check.report import HeadResult, Setup, format_heads_report
     from hf_gradacc.testing.reference import Comparison
 
     setup = Setup(task="every built-in head", model="built-in tiny models", model_class="", num_parameters=0,
@@ -583,7 +583,7 @@ def test_the_heads_note_names_the_ulysses_loss_under_sequence_parallelism():
     says so there and keeps the transformers 5.6 wording elsewhere."""
     from dataclasses import replace
 
-    from hf_gradacc.testing.check_report import HeadResult, Setup, format_heads_report
+    from hf_gradacc.commands.check.report import HeadResult, Setup, format_heads_report
     from hf_gradacc.testing.reference import Comparison
 
     setup = Setup(task="every built-in head", model="built-in tiny models", model_class="", num_parameters=0,

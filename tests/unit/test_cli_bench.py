@@ -25,7 +25,7 @@ def _words(text: str) -> str:
 
 def test_bench_help_is_clean_and_names_the_same_trainers_as_the_top_level_help(capsys):
     """`hf-gradacc bench --help` started with a stray backtick and listed fewer trainers than `hf-gradacc --help`."""
-    from hf_gradacc.testing.benchmark import _TRAINER_LABELS, ALL_TRAINERS, describe_trainers
+    from hf_gradacc.commands.bench.benchmark import _TRAINER_LABELS, ALL_TRAINERS, describe_trainers
 
     assert main(["bench", "--help"]) == 0
     bench_help = capsys.readouterr().out
@@ -68,7 +68,7 @@ def test_docs_cli_documents_every_command_and_flag():
 
 
 def _bench_row(trainer: str, step_times: list[float], total: float, total_cpu: float = float("nan")):
-    from hf_gradacc.testing.benchmark import BenchRow
+    from hf_gradacc.commands.bench.benchmark import BenchRow
 
     return BenchRow(total_cpu_time_ratio=total_cpu,
         dataset="long_tailed", trainer=trainer, vocab_size=96, median_step_time_s=0.1, step_time_ratio=1.0,
@@ -79,7 +79,7 @@ def _bench_row(trainer: str, step_times: list[float], total: float, total_cpu: f
 
 
 def test_bench_summary_reports_median_min_max_and_a_note_only_for_noise():
-    from hf_gradacc.testing.bench_summary import format_summary, summarize
+    from hf_gradacc.commands.bench.bench_report import format_summary, summarize
 
     stock = _bench_row("stock", [1.0, 1.0, 1.0], 1.0)
     noisy = _bench_row("plain", [0.8, 1.2, 1.7], 1.2)  # median 1.2, spread 0.9 > 0.2
@@ -101,7 +101,7 @@ def test_bench_summary_reports_median_min_max_and_a_note_only_for_noise():
 def test_bench_summary_has_the_total_cpu_time_of_every_repeat():
     """The total CPU time ratio (what benchmarks/targets.py judges) is summarised per repeat; rows written before it
     existed (NaN) leave the column empty instead of NaN."""
-    from hf_gradacc.testing.bench_summary import format_summary, summarize
+    from hf_gradacc.commands.bench.bench_report import format_summary, summarize
 
     stock = _bench_row("stock", [1.0], 1.0, 1.0)
     repeats = [[stock, _bench_row("plain", [1.0], 1.3, 0.9)], [stock, _bench_row("plain", [1.0], 1.1, 0.95)]]
@@ -133,7 +133,7 @@ def test_bench_quick_runs_with_repeats_and_cpu_time(tmp_path, capsys):
 
 def test_docs_cli_names_every_bench_trainer():
     """docs/cli.md's `--trainers` row names every row a run can ask for (the MoE rows included)."""
-    from hf_gradacc.testing.benchmark import ALL_TRAINERS
+    from hf_gradacc.commands.bench.benchmark import ALL_TRAINERS
 
     docs = (REPO_ROOT / "docs" / "cli.md").read_text()
     row = next(line for line in docs.splitlines() if line.startswith("| `--trainers LIST` |"))
@@ -144,8 +144,9 @@ def test_bench_moe_rows_price_global_batch_against_micro_batch():
     """`--trainers stock,plain,moe_micro,moe_global`: every row trains the tiny Mixtral; `moe_micro` is the plain
     GradAccTrainer's update exactly (router_balance's default), `moe_global` another one (the balance loss over the
     step); the pre-pass's skipped LM head is not counted as computed rows; the global-over-micro table follows."""
-    from hf_gradacc.testing.bench_moe import moe_ratios
-    from hf_gradacc.testing.benchmark import BenchSettings, bench_dataset, build_bench_model, format_table
+    from hf_gradacc.commands.bench.bench_moe import moe_ratios
+    from hf_gradacc.commands.bench.bench_report import format_table
+    from hf_gradacc.commands.bench.benchmark import BenchSettings, bench_dataset, build_bench_model
 
     settings = BenchSettings(
         hidden_size=16, num_layers=1, num_heads=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
@@ -166,7 +167,7 @@ def test_bench_moe_rows_price_global_batch_against_micro_batch():
 def test_bench_moe_ratios_are_global_over_micro_step_by_step():
     from dataclasses import replace
 
-    from hf_gradacc.testing.bench_moe import format_moe_comparison, moe_ratios
+    from hf_gradacc.commands.bench.bench_moe import format_moe_comparison, moe_ratios
 
     micro = replace(_bench_row("moe_micro", [1.0, 2.0, 4.0], 1.0), peak_memory_bytes=100)
     glob = replace(_bench_row("moe_global", [1.5, 2.0, 4.4], 1.0), peak_memory_bytes=120)

@@ -1,7 +1,7 @@
 """Every GRPO ``loss_type`` of the installed TRL, GradAccGRPOTrainer and stock TRL, against the float64 full-batch
 step of the loss as its paper / TRL's docstring defines it (``hf_gradacc/testing/grpo_reference.py``: no TRL code).
 
-The run (``hf_gradacc/testing/check_grpo.py``, the rows of ``hf-gradacc check --trainer grpo``): the tiny Llama policy
+The run (``commands/check/grpo_rows.py``, the rows of ``hf-gradacc check --trainer grpo``): the tiny Llama policy
 (vocabulary of 8 words: completions of 1 to 8 tokens), 2 completions per prompt, batch 2 x GA 4,
 ``steps_per_generation`` 8 (half a generation batch per step), ``num_iterations`` 2, ``beta`` 0,
 ``mask_truncated_completions`` (completions of 0 to 6 tokens in the loss), two SGD(lr=1) steps: step 2 trains on
@@ -23,8 +23,8 @@ import pytest
 
 pytest.importorskip("trl")
 
+from hf_gradacc.commands.check.grpo_rows import grpo_loss_type_rows, grpo_run  # noqa: E402
 from hf_gradacc.step.window import WindowCounts  # noqa: E402
-from hf_gradacc.testing.check_grpo import grpo_loss_type_rows, grpo_run  # noqa: E402
 from hf_gradacc.testing.grpo_reference import GRPO_LOSS_TYPES, GRPOLossSettings, grpo_step_reference  # noqa: E402
 from hf_gradacc.testing.grpo_steps import build_tiny_policy  # noqa: E402
 from hf_gradacc.testing.reference import compare  # noqa: E402

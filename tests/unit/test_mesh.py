@@ -122,7 +122,7 @@ def test_hybrid_shard_beside_a_2d_parallelism_config_is_only_warned(caplog):
 
 def test_the_check_report_prints_the_mesh():
     """`hf-gradacc check` prints the mesh it ran on (the 2-node run printed `mesh      DDP 4, 2 nodes x 2`)."""
-    from hf_gradacc.testing.check_report import HeadResult, Setup, format_heads_report
+    from hf_gradacc.commands.check.report import HeadResult, Setup, format_heads_report
     from hf_gradacc.testing.reference import Comparison
 
     setup = Setup(task="causal_lm", model="tiny", model_class="", num_parameters=0, per_device_train_batch_size=2,

@@ -222,8 +222,8 @@ def test_cli_check_scenario_moe_global(tmp_path, capsys) -> None:
     """`hf-gradacc check --scenario moe_global`: three rows against definition B; only the global one is exact."""
     import json
 
+    from hf_gradacc.commands.check.moe_rows import GLOBAL_NAME, MICRO_NAME, STOCK_NAME
     from hf_gradacc.commands.hf_gradacc_cli import main
-    from hf_gradacc.testing.check_moe import GLOBAL_NAME, MICRO_NAME, STOCK_NAME
 
     report = tmp_path / "check.json"
     assert main(["check", "--scenario", "moe_global", "--json", str(report)]) == 0

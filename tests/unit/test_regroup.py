@@ -347,7 +347,8 @@ def test_resume_mid_epoch_with_a_token_budget_replays_the_same_steps(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- the benchmark
 def test_bench_runs_interleaved_and_reports_exact_updates(tmp_path):
-    from hf_gradacc.testing.benchmark import BenchSettings, format_table, plot_benchmark, run_benchmark
+    from hf_gradacc.commands.bench.bench_report import format_table, plot_benchmark
+    from hf_gradacc.commands.bench.benchmark import BenchSettings, run_benchmark
 
     settings = BenchSettings(
         hidden_size=32,

@@ -27,7 +27,7 @@ from accelerate.utils import DeepSpeedSequenceParallelConfig
 from transformers import Trainer, TrainingArguments
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
-from hf_gradacc.testing.check_sp import one_sequence_parallel_set_up
+from hf_gradacc.commands.check.sp_rows import one_sequence_parallel_set_up
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples

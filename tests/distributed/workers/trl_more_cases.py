@@ -1,7 +1,7 @@
 """Worker of ``tests/distributed/test_trl_more.py``: TRL's KTO, RLOO and Distillation trainers, hf_gradacc's and
 stock, ONE SGD(lr=1) step on 2 CPU ranks (gloo, DDP), each against the float64 full batch over both ranks' samples
-(:func:`hf_gradacc.testing.check_trl_more.more_one_step`, what ``hf-gradacc check --trainer`` runs). Each case writes
-both trainers' comparisons and the step's samples.
+(:func:`hf_gradacc.commands.check.trl_more_rows.more_one_step`, what ``hf-gradacc check --trainer`` runs). Each
+case writes both trainers' comparisons and the step's samples.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.distributed.workers._common import run_named_cases
 
 
 def run_case(kind: str) -> dict[str, Any]:
-    from hf_gradacc.testing.check_trl_more import MORE_TRL_NAMES, more_one_step
+    from hf_gradacc.commands.check.trl_more_rows import MORE_TRL_NAMES, more_one_step
     from hf_gradacc.testing.tiny import build_tiny_model
 
     step_kwargs = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, seed=0, optim="sgd",

@@ -21,19 +21,16 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from ..errors import GradAccConfigError, GradAccError
-from .one_step import one_step_args
-from .reference import full_batch_loss
-from .tiny import ListDataset
+from ...errors import GradAccConfigError
+from ...testing.one_step import one_step_args
+from ...testing.reference import full_batch_loss
+from ...testing.tiny import ListDataset
+from .._shared import require_matplotlib
 
 STOCK_LABEL = "stock Trainer, GA {gas}"
 GRADACC_LABEL = "GradAccTrainer, GA {gas}"
 FULL_BATCH_LABEL = "one full batch per step (ground truth)"
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
-
-
-class PlotDependencyError(GradAccError, ImportError):
-    """matplotlib is needed to draw and is not installed."""
 
 
 def _window_loss(model: torch.nn.Module, window: Sequence[dict[str, Any]], task: str, collate: Callable) -> float:
@@ -106,7 +103,7 @@ def train_loss_curves(
 
     Example:
         ```python
-        from hf_gradacc.testing.loss_curves import draw_loss_curves, train_loss_curves
+        from hf_gradacc.commands.check.loss_curves import draw_loss_curves, train_loss_curves
         from hf_gradacc.testing.tiny import PaddingCollator, build_tiny_model, make_samples
 
         curves = train_loss_curves(build_tiny_model("masked_lm"), "masked_lm", make_samples("masked_lm", 80),
@@ -117,7 +114,7 @@ def train_loss_curves(
     """
     from tqdm.auto import tqdm
 
-    from ..trainer import GradAccTrainer
+    from ...trainer import GradAccTrainer
 
     if optimizer not in OPTIMIZERS:
         raise GradAccConfigError(f"`optimizer` ({optimizer!r}) must be one of {OPTIMIZERS}")
@@ -181,23 +178,13 @@ def train_loss_curves(
     return curves
 
 
-def require_matplotlib() -> None:
-    """Raise :class:`PlotDependencyError` with the install line when matplotlib is missing."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        raise PlotDependencyError(
-            "--plot needs matplotlib, which is not installed: pip install hf_gradacc[plot]"
-        ) from exc
-
-
 def draw_loss_curves(curves: dict[str, dict[str, list[float]]], path: str, *, title: str = "") -> None:
     """Draw :func:`train_loss_curves`' result to the image ``path`` (PNG by its suffix): loss, and deviation
     from the full-batch run on a log scale.
 
     Example:
         ```python
-        from hf_gradacc.testing.loss_curves import draw_loss_curves
+        from hf_gradacc.commands.check.loss_curves import draw_loss_curves
         draw_loss_curves({"full batch, GA 1 (ground truth)": {"loss": [2.0, 1.5]}}, "curves.png")
         ```
     """

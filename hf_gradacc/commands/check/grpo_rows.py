@@ -1,5 +1,7 @@
-"""`hf-gradacc check --trainer grpo`: every GRPO ``loss_type``, TRL's GRPOTrainer and GradAccGRPOTrainer, each
-against the float64 full-batch step of :mod:`.grpo_reference` (the loss written from its definition; no TRL code).
+"""`hf-gradacc check --trainer grpo [--loss-type NAME ...]`: every GRPO ``loss_type``, TRL's GRPOTrainer and
+GradAccGRPOTrainer, each against the float64 full-batch step of :mod:`hf_gradacc.testing.grpo_reference` (the loss
+written from its definition; no TRL code). The rows (:func:`grpo_loss_type_rows`), their report, and the command's
+``--loss-type`` and run (:func:`check_grpo`, which :mod:`hf_gradacc.commands.check` dispatches to).
 
 One row per loss type. Each trainer trains the built-in tiny policy :data:`NUM_STEPS` SGD(lr=1) steps with
 ``steps_per_generation = 2 x gradient_accumulation_steps`` (half a generation batch per step) and ``num_iterations``
@@ -9,8 +11,14 @@ clipping, soft gates and sequence weights act. ``mask_truncated_completions`` ma
 reference (over every process's completions); a row shows each trainer's worst step.
 
 Example:
+    ```bash
+    hf-gradacc check --trainer grpo                       # every loss type of the installed TRL, one row each
+    hf-gradacc check --trainer grpo --loss-type dapo bnpo
+    torchrun --nproc_per_node 2 -m hf_gradacc check --trainer grpo   # 2 CPU ranks
+    ```
+
     ```python
-    from hf_gradacc.testing.check_grpo import grpo_loss_type_rows
+    from hf_gradacc.commands.check.grpo_rows import grpo_loss_type_rows
 
     check = grpo_loss_type_rows(["dapo", "bnpo"], per_device_train_batch_size=2, gradient_accumulation_steps=4,
                                 seed=0, step_kwargs={"use_cpu": True})
@@ -20,13 +28,19 @@ Example:
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import copy
-from collections.abc import Sequence
-from dataclasses import dataclass
+import io
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from .check_report import _fill, off_by, verdict
-from .grpo_reference import (
+from ...errors import GradAccConfigError
+from ...testing.grpo_reference import (
     GRPO_LOSS_TYPES,
     GRPOLossSettings,
     GRPOPolicyRecorder,
@@ -34,8 +48,18 @@ from .grpo_reference import (
     step_updates,
     token_ratios,
 )
+from .._shared import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
+from .report import _fill, _setup_lines, off_by, verdict
 
-__all__ = ["GRPOCheck", "GRPORow", "format_grpo_report", "grpo_loss_type_rows", "grpo_summary_line"]
+__all__ = [
+    "GRPOCheck",
+    "GRPORow",
+    "add_grpo_arguments",
+    "check_grpo",
+    "format_grpo_report",
+    "grpo_loss_type_rows",
+    "grpo_summary_line",
+]
 
 NUM_STEPS = 2
 NUM_ITERATIONS = 2
@@ -111,8 +135,8 @@ def grpo_run(
 ) -> tuple[Any, dict[int, Any], list[tuple[int, list[dict[str, Any]]]]]:
     """Train a copy of ``policy`` :data:`NUM_STEPS` steps; return the trainer, ``{step: update}`` and ``[(step, every
     process's micro-batches)]``."""
-    from .grpo_steps import grpo_prompts, grpo_tokenizer, length_reward
-    from .one_step import one_step_args
+    from ...testing.grpo_steps import grpo_prompts, grpo_tokenizer, length_reward
+    from ...testing.one_step import one_step_args
 
     gas = gradient_accumulation_steps
     settings = dict(
@@ -147,9 +171,9 @@ def grpo_loss_type_rows(
     full-batch reference. ``step_kwargs``: extra ``GRPOConfig`` fields (``use_cpu``, ``ddp_backend``, ...)."""
     import trl
 
-    from .. import trl as gradacc_trl
-    from .grpo_steps import build_tiny_policy
-    from .reference import compare
+    from ... import trl as gradacc_trl
+    from ...testing.grpo_steps import build_tiny_policy
+    from ...testing.reference import compare
 
     policy = build_tiny_policy(seed)
     common = dict(per_device_train_batch_size=per_device_train_batch_size,
@@ -263,3 +287,128 @@ def grpo_summary_line(check: GRPOCheck, tolerance: float) -> str:
     if wrong:
         stock += f" (largest {off_by(max(wrong, key=lambda r: r.stock.relative_error).stock)})"
     return f"{head}; {stock}"
+
+
+# ---------------------------------------------------------------------------------------------- the command
+def add_grpo_arguments(check: argparse.ArgumentParser) -> None:
+    """``--loss-type`` of ``check`` (only with ``--trainer grpo``)."""
+    check.add_argument(
+        "--loss-type",
+        "--loss_type",
+        dest="loss_type",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="with --trainer grpo (TRL's GRPOTrainer vs GradAccGRPOTrainer, 2 steps of the built-in tiny policy, "
+        "steps_per_generation 2 x GA, num_iterations 2): the GRPO loss types to check, one row each. Default: every "
+        "loss type of the installed TRL",
+    )
+
+
+def _grpo_options(opts: argparse.Namespace, trl_options: Callable[[argparse.Namespace], None]) -> list[str]:
+    """The loss types to check; refuses what means nothing with ``--trainer grpo``."""
+    if opts.trainer != "grpo":
+        raise GradAccConfigError(f"`--loss-type` is for `--trainer grpo`; drop it with `--trainer {opts.trainer}`")
+    if opts.model is not None:
+        raise GradAccConfigError(
+            "`--trainer grpo` runs on the built-in tiny policy (its word tokenizer and reward); "
+            f"drop `--model {opts.model}`"
+        )
+    sharded = [name for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP") if _env_flag(name)]
+    if sharded:
+        raise GradAccConfigError(
+            f"`--trainer grpo` runs on one process or DDP ({sharded[0]} is set): its float64 reference reads the "
+            "policy's full parameters at every step and generation, which DeepSpeed and FSDP2 shard. Launch it with "
+            "examples/accelerate_configs/ddp_cpu.yaml (or torchrun), or drop `--trainer grpo`"
+        )
+    if getattr(opts, "distributed_config", None):
+        raise GradAccConfigError("`--distributed_config` is for `--trainer trainer`; drop it with `--trainer grpo`")
+    trl_options(opts)
+    loss_types = list(dict.fromkeys(opts.loss_type or GRPO_LOSS_TYPES))
+    unknown = [name for name in loss_types if name not in GRPO_LOSS_TYPES]
+    if unknown:
+        raise GradAccConfigError(
+            f"`--loss-type` {unknown[0]!r} is not a GRPO loss type; one of {list(GRPO_LOSS_TYPES)}"
+        )
+    return loss_types
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "y", "on")
+
+
+def _error(message: Any) -> None:
+    print(f"hf-gradacc check: error: {message}", file=sys.stderr)
+
+
+def check_grpo(
+    opts: argparse.Namespace,
+    *,
+    step_kwargs: Callable[[argparse.Namespace], dict[str, Any]],
+    world: Callable[[dict[str, Any]], tuple[int, bool] | None],
+    setup: Callable[..., Any],
+    trl_options: Callable[[argparse.Namespace], None],
+) -> int:
+    """Run ``hf-gradacc check --trainer grpo``; returns the exit status (0 only when every row is exact). The launch
+    helpers are :mod:`hf_gradacc.commands.check`'s (its step keywords, world size, set-up lines and TRL option
+    checks), passed in so that this module does not import its caller (the package imports this module)."""
+    from ... import patches
+    from ...errors import GradAccError, UnsupportedBackendError
+
+    try:
+        loss_types = _grpo_options(opts, trl_options)
+    except (ImportError, GradAccError) as exc:
+        _error(exc)
+        return EXIT_USAGE
+    patches.maybe_enable_from_env()
+    launch = step_kwargs(opts)
+    ranks = world(launch)
+    if ranks is None:
+        return EXIT_USAGE
+    world_size, is_main = ranks
+    launch = {k: v for k, v in launch.items() if k not in _ROW_KEYWORDS}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) if not opts.verbose else contextlib.nullcontext():
+            check = grpo_loss_type_rows(
+                loss_types, per_device_train_batch_size=opts.per_device_train_batch_size,
+                gradient_accumulation_steps=opts.gradient_accumulation_steps, seed=opts.seed,
+                step_kwargs=launch, world_size=world_size,
+            )  # fmt: skip
+    except GradAccError as exc:
+        if is_main:
+            _error(exc)
+        return EXIT_USAGE if isinstance(exc, (GradAccConfigError, UnsupportedBackendError)) else EXIT_NOT_EXACT
+    trainer = check.trainer
+    described = setup(opts, task="grpo (TRL GRPOTrainer), every loss type", model_name="built-in tiny policy",
+                   model=trainer.model, trainer=trainer, world_size=world_size,
+                   num_samples=check.completions_per_step)  # fmt: skip
+    is_exact = grpo_exact(check, opts.tolerance)
+    summary = grpo_summary_line(check, opts.tolerance)
+    if is_main:
+        print(format_grpo_report(_setup_lines(described, check.data_note), check, opts.tolerance))
+        if opts.json:
+            rows = {
+                r.loss_type: {
+                    "results": {
+                        name: {**asdict(c), "is_exact": c.is_exact(opts.tolerance)}
+                        for name, c in (("GRPOTrainer", r.stock), ("GradAccGRPOTrainer", r.ours))
+                    },
+                    "relative_error_per_step": {"GRPOTrainer": list(r.stock_steps),
+                                                "GradAccGRPOTrainer": list(r.ours_steps)},
+                    "clipped_token_fraction": r.clipped_fraction,
+                    "stock_vs_per_micro_batch_definition": r.stock_to_per_micro_batch,
+                }
+                for r in check.rows
+            }  # fmt: skip
+            payload = {"command": "check", "setup": asdict(described), "tolerance": opts.tolerance, "loss_types": rows,
+                       "is_exact": is_exact, "summary": summary}  # fmt: skip
+            with open(opts.json, "w") as f:
+                json.dump(payload, f, indent=2)
+            print(f"Wrote {opts.json}")
+        print(f"\n{summary}")
+    finish_command()
+    return EXIT_OK if is_exact else EXIT_NOT_EXACT
+
+
+# The run's own values: grpo_loss_type_rows sets the batch layout and seed itself.
+_ROW_KEYWORDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "seed")

@@ -1,10 +1,10 @@
 """What the TRL rows of `hf-gradacc check` share: the result of one step (:class:`TrlStep`) and every process's
-recorded micro-batches gathered (:func:`all_ranks`). Its own module, so that :mod:`.check_trl` and
-:mod:`.check_trl_more` both import it and neither imports the other back.
+recorded micro-batches gathered (:func:`all_ranks`). Its own module, so that :mod:`.trl_rows` and
+:mod:`.trl_more_rows` both import it and neither imports the other back.
 
 Example:
     ```python
-    from hf_gradacc.testing.trl_gather import all_ranks
+    from hf_gradacc.commands.check.trl_gather import all_ranks
 
     batches = all_ranks(trainer.recorded_micro_batches)  # this process's alone outside a launch
     ```

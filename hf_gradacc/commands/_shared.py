@@ -1,10 +1,13 @@
-"""What every `hf-gradacc` command shares: the exit statuses and the end of a command.
+"""What every `hf-gradacc` command shares: the exit statuses, the end of a command, and the matplotlib that
+``--plot`` and ``hf-gradacc plot`` need (:class:`PlotDependencyError`).
 
 The subcommand modules (``check``, ``bench``, ``plot``) and :mod:`.hf_gradacc_cli`, which wires them, all import
 from here, so no command module imports the command line that imports it.
 """
 
 from __future__ import annotations
+
+from ..errors import GradAccError
 
 EXIT_OK = 0
 EXIT_NOT_EXACT = 1
@@ -24,3 +27,17 @@ def finish_command() -> None:
 def gloo_group_finished() -> bool:
     """Whether a command of this process tore a gloo process group down (then the executable leaves hard)."""
     return _GLOO_GROUP_FINISHED
+
+
+class PlotDependencyError(GradAccError, ImportError):
+    """matplotlib is needed to draw and is not installed."""
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`PlotDependencyError` with the install line when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise PlotDependencyError(
+            "--plot needs matplotlib, which is not installed: pip install hf_gradacc[plot]"
+        ) from exc

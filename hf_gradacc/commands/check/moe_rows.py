@@ -17,9 +17,9 @@ import contextlib
 import io
 from typing import Any
 
-from .moe_reference import global_balance_gradients
-from .one_step import one_step_args, one_step_update
-from .reference import compare
+from ...testing.moe_reference import global_balance_gradients
+from ...testing.one_step import one_step_args, one_step_update
+from ...testing.reference import compare
 
 GLOBAL_NAME, MICRO_NAME, STOCK_NAME = "GradAcc global", "GradAcc micro", "Trainer"
 
@@ -32,7 +32,7 @@ def moe_global_results(
     ``model``. The router weights are a small share of the update, where the rules differ most."""
     from transformers import Trainer
 
-    from .. import GradAccTrainer
+    from ... import GradAccTrainer
 
     reference = global_balance_gradients(model, samples, collator)
     results: dict[str, Any] = {}

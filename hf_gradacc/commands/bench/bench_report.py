@@ -1,5 +1,7 @@
-"""`hf-gradacc bench --repeats N`: every ratio against the stock Trainer as its median and [min-max], and a note
-where the spread is wider than the difference from the stock Trainer the row reports.
+"""What `hf-gradacc bench` prints and draws: the table of one run (:func:`format_table`), with ``--repeats N`` every
+ratio against the stock Trainer as its median and [min-max] and a note where the spread is wider than the difference
+from the stock Trainer the row reports (:func:`summarize`, :func:`format_summary`), and with ``--plot`` the step-time
+and memory distributions (:func:`plot_benchmark`).
 
 The step time and CPU time ratios pool the step pairs of every repeat (trainer's step ``s`` / stock step ``s`` of
 the same repeat); the total time and total CPU time ratios take one value per repeat. A row whose spread is wider
@@ -8,8 +10,8 @@ it.
 
 Example:
     ```python
-    from hf_gradacc.testing.benchmark import BenchSettings, run_benchmark
-    from hf_gradacc.testing.bench_summary import format_summary, summarize
+    from hf_gradacc.commands.bench.bench_report import format_summary, summarize
+    from hf_gradacc.commands.bench.benchmark import BenchSettings, run_benchmark
 
     repeats = [run_benchmark(BenchSettings(num_steps=3)) for _ in range(3)]
     print(format_summary(summarize(repeats)))
@@ -22,6 +24,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._shared import require_matplotlib
+from . import bench_moe
 from .benchmark import _TRAINER_LABELS, BenchRow
 
 # (the BenchRow field of each step's time, the column's name); pair ratios against the stock row's same step
@@ -54,6 +58,35 @@ class SummaryRow:
     vocab_size: int
     trainer: str
     ratios: dict[str, Spread]
+
+
+def format_table(rows: Sequence[BenchRow]) -> str:
+    """A markdown table of ``rows``.
+
+    Example:
+        ```python
+        print(format_table(run_benchmark(BenchSettings(num_steps=2))))
+        ```
+    """
+    header = (
+        "| data | vocab | trainer | step time (median) | step time ratio vs stock (median of pairs) | total time ratio | "
+        "step CPU time (median) | CPU time ratio (median of pairs) | total CPU time ratio | "
+        "real tokens / s | computed / real tokens | LM-head rows per counted target | peak memory (first step "
+        "included) | peak memory ratio | micro-batches / step | reductions / step | update diff vs GradAccTrainer |"
+    )
+    lines = [header, "|" + " --- |" * 17]
+    for r in rows:
+        reductions = "n/a (1 process)" if r.reductions_per_step is None else f"{r.reductions_per_step:.2f}"
+        diff = "-" if r.relative_update_difference is None else f"{r.relative_update_difference:.1e}"
+        lines.append(
+            f"| {r.dataset} | {r.vocab_size} | {_TRAINER_LABELS[r.trainer]} | {r.median_step_time_s * 1e3:.0f} ms | "
+            f"{r.step_time_ratio:.3f} | {r.total_time_ratio:.3f} | {r.median_step_cpu_time_s * 1e3:.0f} ms | "
+            f"{r.cpu_time_ratio:.3f} | {r.total_cpu_time_ratio:.3f} | {r.real_tokens_per_s:,.0f} | "
+            f"{r.computed_per_real_token:.3f} | {r.lm_head_rows_per_target:.2f} | "
+            f"{r.peak_memory_bytes / 2**20:,.1f} MiB | {r.peak_memory_ratio:.3f} | {r.micro_batches_per_step:.1f} | {reductions} | {diff} |"
+        )
+    moe = bench_moe.format_moe_comparison(rows)  # router_balance global_batch against micro_batch, where both rows ran
+    return "\n".join(lines) + (f"\n\n{moe}" if moe else "")
 
 
 def _spread(values: Sequence[float]) -> Spread:
@@ -112,3 +145,29 @@ def format_summary(summary: Sequence[SummaryRow], num_repeats: int = 1) -> str:
                     "--repeats (on a quieter machine) narrow it"
                 )
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def plot_benchmark(rows: Sequence[BenchRow], path: str) -> None:
+    """Draw, per dataset and vocabulary, the distribution of every trainer's step times and peak memory (box plots)
+    into ``path`` (a PNG). Needs matplotlib (``pip install "hf_gradacc[plot]"``)."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r.dataset, r.vocab_size) for r in rows})
+    fig, axes = plt.subplots(len(groups), 2, figsize=(13, 3.2 * len(groups) + 0.6), squeeze=False)
+    for (dataset, vocab), (times_ax, memory_ax) in zip(groups, axes):
+        group = [r for r in rows if (r.dataset, r.vocab_size) == (dataset, vocab)]
+        labels = [_TRAINER_LABELS[r.trainer] for r in group]
+        times_ax.boxplot([[t * 1e3 for t in r.step_times_s] for r in group], vert=False, tick_labels=labels)
+        times_ax.set_xlabel("step time (ms)")
+        times_ax.set_title(f"{dataset}, vocabulary {vocab}: step time")
+        memory_ax.boxplot([[b / 2**20 for b in r.step_peaks_bytes] for r in group], vert=False, tick_labels=labels)
+        memory_ax.set_xlabel("peak memory within a step (MiB)")
+        memory_ax.set_title(f"{dataset}, vocabulary {vocab}: peak memory")
+        memory_ax.set_yticklabels([])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

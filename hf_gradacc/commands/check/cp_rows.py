@@ -5,7 +5,7 @@ Each sequence is cut over the ``cp_size`` ranks of its group (torch's head-tail 
 deals one batch to every rank of a group: a step of ``gradient_accumulation_steps`` micro-batches holds
 ``batch x GA x data ranks`` samples (data ranks: the world over ``cp_size``). What the check changes for it:
 
-- the data ranks are the world over ``cp_size`` (:func:`hf_gradacc.testing.check_mesh.data_ranks`);
+- the data ranks are the world over ``cp_size`` (:func:`hf_gradacc.commands.check.mesh_rows.data_ranks`);
 - the collator (:class:`ContextParallelCollator`) right-pads every micro-batch to a multiple of ``2 x cp_size`` (torch
   cuts each sequence into ``2 x cp_size`` equal chunks), so the stock Trainer runs too (GradAccTrainer pads itself);
 - heads other than a causal LM are refused by GradAccTrainer when it is created and get a row saying so;
@@ -26,7 +26,7 @@ import argparse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..errors import GradAccConfigError
+from ...errors import GradAccConfigError
 
 # `--scenario` values the check runs under context parallelism (both measured on 2 CPU ranks; the others not shown)
 SCENARIOS: tuple[str, ...] = ("default", "no_loss_kwargs")
@@ -40,7 +40,7 @@ def context_parallel_size(env: Mapping[str, str] | None = None) -> int:
         context_parallel_size({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"})  # 2
         ```
     """
-    from .check_sp import launch_parallelism_size
+    from .sp_rows import launch_parallelism_size
 
     return launch_parallelism_size("cp", env)
 
@@ -84,7 +84,7 @@ def check_context_parallel_options(
             "), so no trainer can take a step here. Run it on 2 or more CUDA devices (the GPU tier: "
             "tests/gpu/test_context_parallel.py), or launch without the `parallelism_config_cp_size` line"
         )
-    from .check_sp import refuse_mesh_flags
+    from .sp_rows import refuse_mesh_flags
 
     refuse_mesh_flags(opts, SCENARIOS, f"context parallelism ({line})", "the `parallelism_config_cp_size` line")
 
@@ -135,8 +135,8 @@ def context_parallel_trainer(trainer_class: type, cp_size: int) -> type:
         StockTrainer = context_parallel_trainer(Trainer, cp_size=2)   # still named "Trainer"
         ```
     """
-    from ..errors import UnsupportedBackendError
-    from ..heads import detect_head_type, unwrap_model
+    from ...errors import UnsupportedBackendError
+    from ...heads import detect_head_type, unwrap_model
 
     class _ContextParallel(trainer_class):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, model: Any = None, **kwargs: Any) -> None:

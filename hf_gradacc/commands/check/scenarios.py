@@ -4,7 +4,7 @@ variants of the scenarios.
 
 Example:
     ```python
-    from hf_gradacc.testing.check_scenarios import load_check_model, synthetic_samples
+    from hf_gradacc.commands.check.scenarios import load_check_model, synthetic_samples
 
     loaded = load_check_model(task="masked_lm")  # the built-in tiny BERT
     samples = synthetic_samples(loaded.task, 8, seed=0, model=loaded.model)
@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import GradAccConfigError
+from ...errors import GradAccConfigError
 
 # The Auto class that loads a checkpoint for each task of `hf_gradacc.testing.tiny.TASKS`.
 AUTO_CLASSES: dict[str, str] = {
@@ -94,7 +94,7 @@ class LoadedModel:
 
 def has_router_term(model: Any) -> bool:
     """Whether ``model``'s loss holds a mixture-of-experts router term (``output_router_logits`` on, a coefficient)."""
-    from .reference import router_coefficient
+    from ...testing.reference import router_coefficient
 
     return router_coefficient(model) is not None
 
@@ -116,7 +116,7 @@ def load_check_model(
         loaded.model, loaded.task, loaded.warnings
         ```
     """
-    from .tiny import PAD_TOKEN_ID, build_tiny_model
+    from ...testing.tiny import PAD_TOKEN_ID, build_tiny_model
 
     if scenario in ("no_loss_kwargs", "moe_mixtral", "moe_qwen3", "moe_global"):
         if model is not None or (task or "causal_lm") != "causal_lm":
@@ -124,7 +124,7 @@ def load_check_model(
         if scenario == "no_loss_kwargs":
             twin = no_loss_kwargs_llama(build_tiny_model("causal_lm", seed=seed))
             return LoadedModel(twin, "causal_lm", "built-in tiny model, accepts_loss_kwargs=False", PAD_TOKEN_ID)
-        from .tiny import build_tiny_moe
+        from ...testing.tiny import build_tiny_moe
 
         family = "qwen3_moe" if scenario == "moe_qwen3" else "mixtral"  # moe_global: Mixtral, three ways against B
         return LoadedModel(build_tiny_moe(family, seed=seed), "causal_lm", f"built-in tiny {family} MoE", PAD_TOKEN_ID)
@@ -139,7 +139,7 @@ def _load_checkpoint(name: str, task: str | None) -> LoadedModel:
     import transformers
     from transformers import AutoConfig
 
-    from .tiny import PAD_TOKEN_ID
+    from ...testing.tiny import PAD_TOKEN_ID
 
     source = os.path.expanduser(name)
     if source.startswith((".", os.sep)) or os.path.exists(source):
@@ -234,7 +234,7 @@ def _load_from_architectures(path: str, config: Any) -> Any:
     import torch
     import transformers
 
-    from .tiny import TASKS
+    from ...testing.tiny import TASKS
 
     architectures = list(getattr(config, "architectures", None) or [])
     for name in architectures:
@@ -249,8 +249,8 @@ def _load_from_architectures(path: str, config: Any) -> Any:
 
 def task_of(model: Any) -> str:
     """The `hf-gradacc check` task of ``model`` (its head family; the problem type for sequence classification)."""
-    from ..heads import detect_head_type
-    from .tiny import TASKS
+    from ...heads import detect_head_type
+    from ...testing.tiny import TASKS
 
     head = detect_head_type(model)
     if head is None or head not in TASKS:
@@ -277,8 +277,8 @@ def synthetic_samples(task: str, num_samples: int, seed: int, model: Any) -> lis
     """
     import torch
 
-    from ..loss import IGNORE_INDEX
-    from .tiny import NUM_LABELS, PAD_TOKEN_ID, VOCAB_SIZE, make_image_samples_for, make_samples
+    from ...loss import IGNORE_INDEX
+    from ...testing.tiny import NUM_LABELS, PAD_TOKEN_ID, VOCAB_SIZE, make_image_samples_for, make_samples
 
     if task == "image_classification":
         return make_image_samples_for(model, num_samples, seed=seed)

@@ -1,8 +1,8 @@
 """`hf-gradacc bench`: the stock `Trainer` against `GradAccTrainer`, one optimizer step per trainer in turn, in ONE
-run (the rows: :func:`hf_gradacc.testing.benchmark.describe_trainers`, which is also the command's help).
+run (the rows: :func:`.benchmark.describe_trainers`, which is also the command's help).
 
-The measurement itself is :mod:`hf_gradacc.testing.benchmark`, the spread over repeats
-:mod:`hf_gradacc.testing.bench_summary`; this module is its command line.
+The measurement itself is :mod:`.benchmark` (its mixture-of-experts rows :mod:`.bench_moe`), what a run prints and
+draws :mod:`.bench_report` (the table, the spread over repeats, the plot); this module is its command line.
 
 Example:
     ```bash
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..testing.bench_summary import format_summary, summarize
-from ..testing.benchmark import (
+from .bench_report import format_summary, format_table, plot_benchmark, summarize
+from .benchmark import (
     ALL_TRAINERS,
     DATASETS,
     QWEN_VOCAB_SIZE,
@@ -35,8 +35,6 @@ from ..testing.benchmark import (
     BenchSettings,
     describe_trainers,
     environment,
-    format_table,
-    plot_benchmark,
     run_benchmark,
 )
 
@@ -260,11 +258,7 @@ def bench_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hf_gradacc.commands.bench`` (the same as ``hf-gradacc bench``)."""
+    """``hf-gradacc bench`` from Python, ``argv`` without the command's name (``benchmarks/bench_cpu.py``)."""
     parser = argparse.ArgumentParser(prog="hf-gradacc")
     bench_command_parser(parser.add_subparsers(dest="command", required=True))
     return bench_command(parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])]))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -32,7 +32,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ..errors import GradAccConfigError
+from ...errors import GradAccConfigError
 
 # `--scenario` values that run under Ulysses: not the mixtures of experts (not shown there), nor `plain_compute_loss`
 # (DeepSpeed's adapter hands the model `shift_labels` without `labels`: `outputs.loss` is None, seen on 2 CPU ranks)

@@ -4,7 +4,7 @@ prints it.
 
 Example:
     ```python
-    from hf_gradacc.testing.check_report import summary_line
+    from hf_gradacc.commands.check.report import summary_line
     from hf_gradacc.testing.reference import Comparison
 
     ours = Comparison(relative_error=3e-7, cosine=1.0, norm_ratio=1.0)
@@ -64,7 +64,7 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from .. import __version__
+    from ... import __version__
 
     return {
         "hf_gradacc": __version__,

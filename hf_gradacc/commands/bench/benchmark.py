@@ -29,7 +29,9 @@ The command line is ``hf-gradacc bench`` (:mod:`hf_gradacc.commands.bench`).
 
 Example:
     ```python
-    from hf_gradacc.testing.benchmark import BenchSettings, format_table, run_benchmark
+    from hf_gradacc.commands.bench.bench_report import format_table
+    from hf_gradacc.commands.bench.benchmark import BenchSettings, run_benchmark
+
     rows = run_benchmark(BenchSettings(num_steps=3))
     print(format_table(rows))
     ```
@@ -38,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import ctypes
 import importlib.util
 import logging
 import math
@@ -47,16 +50,14 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from ..compat import has_sampling_strategy
-from ..errors import GradAccConfigError, GradAccUsageError  # noqa: F401
+from ...compat import has_sampling_strategy
+from ...errors import GradAccConfigError, GradAccUsageError  # noqa: F401
 from . import bench_moe
-from .bench_probes import MemoryProbe, cpu_times_of_every_rank
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ _TRAINER_LABELS = {
 # Every trainer a run can name; the ``fused`` ones (``fused_lm_head=True``: alone, with the token budget, packed) are
 # not in the default set yet. ``stock_liger``: the stock Trainer with ``use_liger_kernel=True`` (Liger-Kernel's
 # Triton kernels, its fused linear cross-entropy among them: a GPU and the ``liger-kernel`` package). The ``moe``
-# rows (router_balance, hf_gradacc.testing.bench_moe) make every row of their run train a tiny Mixtral.
+# rows (router_balance, hf_gradacc.commands.bench.bench_moe) make every row of their run train a tiny Mixtral.
 ALL_TRAINERS: tuple[str, ...] = (*TRAINERS, "fused", "budget_fused", "pack_fused", "stock_liger", *bench_moe.MOE_TRAINERS)
 def describe_trainers() -> str:
     """What ``hf-gradacc bench`` compares, from the rows' labels: one source for its help and the top-level help."""
@@ -215,6 +216,70 @@ def build_bench_model(settings: BenchSettings) -> torch.nn.Module:
     if bench_moe.uses_moe(settings.trainers):
         return bench_moe.build_bench_moe_model(dims)
     return tf.LlamaForCausalLM(tf.LlamaConfig(**dims))
+
+
+# ---------------------------------------------------------------------------------------------- probes
+# What the bench measures besides wall time: the peak memory within a step (MemoryProbe) and every rank's
+# process CPU time (cpu_times_of_every_rank), which a busy machine does not inflate the way it inflates wall time.
+class MemoryProbe:
+    """Peak memory increase within an interval: CUDA allocator stats, or the process's RSS high-water mark."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.baseline = 0
+        self.available = True
+        if not self.cuda:
+            try:
+                # Fixed thresholds: large tensors are mmap'd and handed back on free, so RSS follows live tensors
+                # instead of what glibc keeps cached (its adaptive threshold would hide a later trainer's peak).
+                libc = ctypes.CDLL("libc.so.6")
+                libc.mallopt(-3, 32 * 1024)  # M_MMAP_THRESHOLD
+                libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+                self._reset_hwm()
+            except OSError:
+                self.available = False
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        raise OSError(f"{key} not in /proc/self/status")
+
+    @staticmethod
+    def _reset_hwm() -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline = torch.cuda.memory_allocated()
+        elif self.available:
+            self._reset_hwm()
+            self.baseline = self._status("VmRSS")
+
+    def peak(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.baseline
+        if not self.available:
+            return 0
+        return self._status("VmHWM") - self.baseline
+
+
+def cpu_times_of_every_rank(local: dict[str, list[float]], world_size: int) -> dict[str, list[list[float]]]:
+    """Each trainer's step CPU times on every rank (one gather; every rank calls it once per dataset, in the same
+    order): on a shared machine the process CPU time is what a rank spent, whatever the others' load."""
+    import torch.distributed as dist
+
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return {name: [times] for name, times in local.items()}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return {name: [ranks[name] for ranks in gathered] for name in local}
 
 
 # ---------------------------------------------------------------------------------------------- turns
@@ -354,7 +419,7 @@ def _run_in_turns(trainers: dict[str, Any], turns: dict[str, Any], num_steps: in
 def _trainer_args(settings: BenchSettings, name: str, output_dir: str, world_size: int):
     from transformers import TrainingArguments
 
-    from ..config import GradAccConfig
+    from ...config import GradAccConfig
 
     kwargs: dict[str, Any] = dict(
         output_dir=output_dir,
@@ -406,8 +471,8 @@ def bench_dataset(settings: BenchSettings, dataset: str) -> list[BenchRow]:
     import transformers
     from transformers import DataCollatorWithFlattening, PrinterCallback, Trainer
 
-    from ..trainer import GradAccTrainer
-    from .tiny import ListDataset, PaddingCollator
+    from ...testing.tiny import ListDataset, PaddingCollator
+    from ...trainer import GradAccTrainer
 
     unknown = sorted(set(settings.trainers) - set(ALL_TRAINERS))
     if unknown or "stock" not in settings.trainers:
@@ -531,36 +596,7 @@ def run_benchmark(settings: BenchSettings) -> list[BenchRow]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------- output
-def format_table(rows: Sequence[BenchRow]) -> str:
-    """A markdown table of ``rows``.
-
-    Example:
-        ```python
-        print(format_table(run_benchmark(BenchSettings(num_steps=2))))
-        ```
-    """
-    header = (
-        "| data | vocab | trainer | step time (median) | step time ratio vs stock (median of pairs) | total time ratio | "
-        "step CPU time (median) | CPU time ratio (median of pairs) | total CPU time ratio | "
-        "real tokens / s | computed / real tokens | LM-head rows per counted target | peak memory (first step "
-        "included) | peak memory ratio | micro-batches / step | reductions / step | update diff vs GradAccTrainer |"
-    )
-    lines = [header, "|" + " --- |" * 17]
-    for r in rows:
-        reductions = "n/a (1 process)" if r.reductions_per_step is None else f"{r.reductions_per_step:.2f}"
-        diff = "-" if r.relative_update_difference is None else f"{r.relative_update_difference:.1e}"
-        lines.append(
-            f"| {r.dataset} | {r.vocab_size} | {_TRAINER_LABELS[r.trainer]} | {r.median_step_time_s * 1e3:.0f} ms | "
-            f"{r.step_time_ratio:.3f} | {r.total_time_ratio:.3f} | {r.median_step_cpu_time_s * 1e3:.0f} ms | "
-            f"{r.cpu_time_ratio:.3f} | {r.total_cpu_time_ratio:.3f} | {r.real_tokens_per_s:,.0f} | "
-            f"{r.computed_per_real_token:.3f} | {r.lm_head_rows_per_target:.2f} | "
-            f"{r.peak_memory_bytes / 2**20:,.1f} MiB | {r.peak_memory_ratio:.3f} | {r.micro_batches_per_step:.1f} | {reductions} | {diff} |"
-        )
-    moe = bench_moe.format_moe_comparison(rows)  # router_balance global_batch against micro_batch, where both rows ran
-    return "\n".join(lines) + (f"\n\n{moe}" if moe else "")
-
-
+# ---------------------------------------------------------------------------------------------- record
 def environment() -> dict[str, str]:
     """Versions and machine, for the benchmark record."""
     import accelerate
@@ -576,34 +612,3 @@ def environment() -> dict[str, str]:
         "torch_threads": str(torch.get_num_threads()),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
-
-
-# ---------------------------------------------------------------------------------------------- command line
-
-
-def plot_benchmark(rows: Sequence[BenchRow], path: str) -> None:
-    """Draw, per dataset and vocabulary, the distribution of every trainer's step times and peak memory (box plots)
-    into ``path`` (a PNG). Needs matplotlib (``pip install "hf_gradacc[plot]"``)."""
-    from .loss_curves import require_matplotlib
-
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = sorted({(r.dataset, r.vocab_size) for r in rows})
-    fig, axes = plt.subplots(len(groups), 2, figsize=(13, 3.2 * len(groups) + 0.6), squeeze=False)
-    for (dataset, vocab), (times_ax, memory_ax) in zip(groups, axes):
-        group = [r for r in rows if (r.dataset, r.vocab_size) == (dataset, vocab)]
-        labels = [_TRAINER_LABELS[r.trainer] for r in group]
-        times_ax.boxplot([[t * 1e3 for t in r.step_times_s] for r in group], vert=False, tick_labels=labels)
-        times_ax.set_xlabel("step time (ms)")
-        times_ax.set_title(f"{dataset}, vocabulary {vocab}: step time")
-        memory_ax.boxplot([[b / 2**20 for b in r.step_peaks_bytes] for r in group], vert=False, tick_labels=labels)
-        memory_ax.set_xlabel("peak memory within a step (MiB)")
-        memory_ax.set_title(f"{dataset}, vocabulary {vocab}: peak memory")
-        memory_ax.set_yticklabels([])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

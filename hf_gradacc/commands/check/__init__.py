@@ -4,9 +4,10 @@
   ``--scenario``, ``--trainer`` or ``--plot`` it does so for each built-in tiny head and prints one row per head.
   Runs under ``accelerate launch`` too.
 
-This module parses, runs and prints; what it measures lives in :mod:`hf_gradacc.testing.check_scenarios` (models,
-data), :mod:`hf_gradacc.testing.check_trl` (``--trainer sft|dpo``) and :mod:`hf_gradacc.testing.check_report` (the
-report's text).
+This module parses, runs and prints; what it measures lives in the modules beside it: :mod:`.scenarios` (models,
+data), :mod:`.mesh_rows` (``--distributed_config``, sequence and context parallelism), :mod:`.trl_rows`
+(``--trainer``), :mod:`.grpo_rows` (``--trainer grpo``), :mod:`.moe_rows`, :mod:`.loss_curves` (``--plot``) and
+:mod:`.report` (the report's text).
 
 Example:
     ```bash
@@ -31,9 +32,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, replace
 from typing import Any
 
-from ..errors import GradAccConfigError
-from ._common import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, finish_command
-from .check_grpo import add_grpo_arguments, check_grpo
+from ...errors import GradAccConfigError
+from .._shared import EXIT_NOT_EXACT, EXIT_OK, EXIT_USAGE, PlotDependencyError, finish_command, require_matplotlib
+from .grpo_rows import add_grpo_arguments, check_grpo
 
 # --trainer: transformers' Trainer vs GradAccTrainer, or TRL's trainer vs hf_gradacc's (hf_gradacc.trl)
 TRAINERS: tuple[str, ...] = ("trainer", "sft", "dpo", "reward", "grpo", "rloo", "kto", "distillation")
@@ -79,9 +80,9 @@ def check_command_parser(subparsers: Any) -> argparse.ArgumentParser:
         opts = parser.parse_args(["check", "--task", "masked_lm"])
         ```
     """
-    from ..testing.check_mesh import parse_distributed_config
-    from ..testing.check_scenarios import SCENARIOS
-    from ..testing.tiny import TASKS
+    from ...testing.tiny import TASKS
+    from .mesh_rows import parse_distributed_config
+    from .scenarios import SCENARIOS
 
     check = subparsers.add_parser(
         "check",
@@ -222,7 +223,7 @@ def _step_kwargs(opts: argparse.Namespace) -> dict[str, Any]:
 
 def _world(step_kwargs: dict[str, Any]) -> tuple[int, bool] | None:
     """(world size, is main process); None (after an error message) when the launch and the Trainer disagree."""
-    from ..testing.one_step import one_step_args
+    from ...testing.one_step import one_step_args
 
     # Building TrainingArguments sets up the process group under a distributed launch: read the world size from it.
     probe = one_step_args(**step_kwargs)
@@ -248,10 +249,10 @@ def _trainer_pair(
     and its first log (the router term's share)."""
     from transformers import Trainer
 
-    from .. import GradAccTrainer
-    from ..testing.check_mesh import mesh_trainer_classes
-    from ..testing.check_scenarios import plain_compute_loss
-    from ..testing.one_step import compare_with_reference, one_step_args, one_step_update
+    from ... import GradAccTrainer
+    from ...testing.one_step import compare_with_reference, one_step_args, one_step_update
+    from .mesh_rows import mesh_trainer_classes
+    from .scenarios import plain_compute_loss
 
     # GradAccTrainer first: its set-up checks (e.g. a model FSDP2 cannot wrap) give a clear error where the stock
     # Trainer would fail deep inside torch.
@@ -259,7 +260,7 @@ def _trainer_pair(
     if scenario == "plain_compute_loss":
         classes = [(name, plain_compute_loss(trainer_class)) for name, trainer_class in classes]
     if distributed_config:
-        from ..testing.check_mesh import sharded_trainer_pair
+        from .mesh_rows import sharded_trainer_pair
 
         results, ours, logs = sharded_trainer_pair(model, task, samples, collator, step_kwargs, distributed_config,
                                                    trainer_classes=classes, verbose=verbose)  # fmt: skip
@@ -284,8 +285,8 @@ def _trainer_pair(
 
 def _setup(opts: argparse.Namespace, *, task: str, model_name: str, model: Any, trainer: Any, world_size: int,
            num_samples: int) -> Any:  # fmt: skip
-    from ..backends.mesh import mesh_from_accelerator
-    from ..testing.check_report import Setup, versions
+    from ...backends.mesh import mesh_from_accelerator
+    from .report import Setup, versions
 
     return Setup(
         task=task,
@@ -307,7 +308,7 @@ def _setup(opts: argparse.Namespace, *, task: str, model_name: str, model: Any, 
 
 def _data_ranks(opts: argparse.Namespace, world_size: int) -> int:
     """The ranks that hold different samples (the tensor / expert ranks of ``--distributed_config`` hold copies)."""
-    from ..testing.check_mesh import data_ranks
+    from .mesh_rows import data_ranks
 
     return data_ranks(getattr(opts, "distributed_config", None), world_size)
 
@@ -326,7 +327,7 @@ def check_command(opts: argparse.Namespace) -> int:
     """Run ``hf-gradacc check`` (see ``hf-gradacc check --help``); returns the exit status."""
     _configure_logging(opts.verbose)
     try:
-        from ..testing.check_mesh import check_options
+        from .mesh_rows import check_options
 
         check_options(opts)
     except GradAccConfigError as exc:
@@ -335,8 +336,6 @@ def check_command(opts: argparse.Namespace) -> int:
     if opts.trainer == "grpo" or opts.loss_type:  # one row per GRPO loss type
         return check_grpo(opts, step_kwargs=_step_kwargs, world=_world, setup=_setup, trl_options=_check_trl_options)
     if opts.plot:
-        from ..testing.loss_curves import PlotDependencyError, require_matplotlib
-
         try:
             require_matplotlib()
         except PlotDependencyError as exc:
@@ -349,12 +348,12 @@ def check_command(opts: argparse.Namespace) -> int:
 
 def _check_every_head(opts: argparse.Namespace) -> int:
     """The default run: one step of both trainers on each built-in tiny head, one row each."""
-    from .. import patches
-    from ..errors import GradAccError, UnsupportedBackendError
-    from ..testing import check_report as report
-    from ..testing.check_mesh import head_cases, mesh_collator
-    from ..testing.check_scenarios import load_check_model, synthetic_samples
-    from ..testing.tiny import PaddingCollator
+    from ... import patches
+    from ...errors import GradAccError, UnsupportedBackendError
+    from ...testing.tiny import PaddingCollator
+    from . import report
+    from .mesh_rows import head_cases, mesh_collator
+    from .scenarios import load_check_model, synthetic_samples
 
     patches.maybe_enable_from_env()
     step_kwargs = _step_kwargs(opts)
@@ -427,12 +426,12 @@ def _check_every_head(opts: argparse.Namespace) -> int:
 
 def _check_one(opts: argparse.Namespace) -> int:
     """One model (``--task``, ``--model``, ``--scenario``, ``--trainer``): the full table, and ``--plot``."""
-    from .. import patches
-    from ..errors import GradAccError, UnsupportedBackendError
-    from ..testing import check_report as report
-    from ..testing.check_mesh import mesh_collator
-    from ..testing.check_scenarios import has_router_term, load_check_model, synthetic_samples
-    from ..testing.tiny import PaddingCollator
+    from ... import patches
+    from ...errors import GradAccError, UnsupportedBackendError
+    from ...testing.tiny import PaddingCollator
+    from . import report
+    from .mesh_rows import mesh_collator
+    from .scenarios import has_router_term, load_check_model, synthetic_samples
 
     try:
         if opts.trainer != "trainer":
@@ -466,7 +465,7 @@ def _check_one(opts: argparse.Namespace) -> int:
             collator = mesh_collator(collator, samples)  # under sequence parallelism: one width, position_ids
             num_samples = len(samples)
             if opts.scenario == "moe_global":  # stock, per micro-batch and global-batch balance, against definition B
-                from ..testing.check_moe import GLOBAL_NAME, moe_global_results
+                from .moe_rows import GLOBAL_NAME, moe_global_results
 
                 names = (GLOBAL_NAME, "Trainer")
                 results, trainer, router_logs = moe_global_results(model, samples, collator, step_kwargs,
@@ -477,7 +476,7 @@ def _check_one(opts: argparse.Namespace) -> int:
                     distributed_config=opts.distributed_config,
                 )
         else:
-            from ..testing.check_trl import trl_one_step, trl_trainer_names
+            from .trl_rows import trl_one_step, trl_trainer_names
 
             stock_name, ours_name = trl_trainer_names(opts.trainer)
             names = (ours_name, stock_name)
@@ -500,11 +499,11 @@ def _check_one(opts: argparse.Namespace) -> int:
         if opts.trainer == "trainer":
             note = report.stock_note(stock, opts.tolerance, task, has_router=has_router)
             if opts.scenario == "moe_global":
-                from ..testing.check_moe import moe_global_note
+                from .moe_rows import moe_global_note
 
                 note, router_logs = moe_global_note(results, router_logs), {}
         else:
-            from ..testing.check_trl import trl_stock_note
+            from .trl_rows import trl_stock_note
 
             note = trl_stock_note(opts.trainer, stock, opts.tolerance, has_router=has_router)
         text = report.format_report(setup, results, opts.tolerance, stock_note=note, data_note=data_note)
@@ -528,8 +527,8 @@ def _check_one(opts: argparse.Namespace) -> int:
 
 def _plot(opts, model, task, model_name, collator, step_kwargs, world_size, is_main, stock) -> dict[str, Any]:
     """``--plot``: train --steps steps three ways and draw the loss curves (main process); returns the curves."""
-    from ..testing.check_scenarios import synthetic_samples
-    from ..testing.loss_curves import draw_loss_curves, train_loss_curves
+    from .loss_curves import draw_loss_curves, train_loss_curves
+    from .scenarios import synthetic_samples
 
     bs, gas = opts.per_device_train_batch_size, opts.gradient_accumulation_steps
     with _quiet_stdout(opts.verbose):
@@ -564,7 +563,7 @@ def _plot(opts, model, task, model_name, collator, step_kwargs, world_size, is_m
 
 def _check_trl_options(opts: argparse.Namespace) -> None:
     """Refuse the options that mean nothing with ``--trainer sft / dpo``; the model is read as a causal LM."""
-    from .. import trl  # noqa: F401  (TRLDependencyError, an ImportError, names the extra)
+    from ... import trl  # noqa: F401  (TRLDependencyError, an ImportError, names the extra)
 
     if opts.plot:
         raise GradAccConfigError(
@@ -577,7 +576,7 @@ def _check_trl_options(opts: argparse.Namespace) -> None:
     if opts.task not in (None, "causal_lm"):
         raise GradAccConfigError(f"`--trainer {opts.trainer}` trains a causal LM; drop `--task {opts.task}`")
     opts.task = "causal_lm"
-    from ..testing.check_trl_more import check_more_options
+    from .trl_more_rows import check_more_options
 
     check_more_options(opts)  # reward / kto / rloo / distillation
     if not opts.verbose:

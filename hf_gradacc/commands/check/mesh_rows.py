@@ -8,10 +8,10 @@ where the data ranks are ``dp_replicate_size x fsdp_size``. A head whose model h
 (transformers: "`tp_size=2` was requested, but `BertForMaskedLM` has no `tp_plan`") is reported as such, not run.
 
 Under an accelerate launch with DeepSpeed Ulysses sequence parallelism (``parallelism_config_sp_size`` > 1) the
-check's collator and trainers come from :mod:`hf_gradacc.testing.check_sp` (:func:`mesh_collator`,
+check's collator and trainers come from :mod:`.sp_rows` (:func:`mesh_collator`,
 :func:`mesh_trainer_classes`) and the data ranks are the world over ``sp_size``.
 Under context parallelism (``parallelism_config_cp_size`` > 1, FSDP2) the collator pads to a multiple of
-``2 x cp_size`` and the options are checked by :mod:`hf_gradacc.testing.check_cp`; the data ranks are the world over
+``2 x cp_size`` and the options are checked by :mod:`.cp_rows`; the data ranks are the world over
 ``cp_size``.
 
 Example:
@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import GradAccConfigError, UnsupportedBackendError
+from ...errors import GradAccConfigError, UnsupportedBackendError
 
 # DistributedConfig fields `--distributed_config` takes (pipeline parallelism is refused by GradAccTrainer)
 FIELDS: tuple[str, ...] = ("tp_size", "fsdp_size", "dp_replicate_size", "ep_size")
@@ -65,8 +65,8 @@ def data_ranks(sizes: dict[str, int] | None, world_size: int, env: dict[str, str
     the sequence- and context-parallel sizes of the accelerate launch (their ranks hold slices of the same
     samples)."""
     if not sizes:
-        from .check_cp import context_parallel_size
-        from .check_sp import sequence_parallel_size
+        from .cp_rows import context_parallel_size
+        from .sp_rows import sequence_parallel_size
 
         return max(1, world_size // (sequence_parallel_size(env) * context_parallel_size(env)))
     return sizes.get("dp_replicate_size", 1) * sizes.get("fsdp_size", 1)
@@ -75,8 +75,8 @@ def data_ranks(sizes: dict[str, int] | None, world_size: int, env: dict[str, str
 def check_options(opts: argparse.Namespace, env: dict[str, str] | None = None) -> None:
     """Refuse what ``--distributed_config`` cannot be combined with, and what a sequence- or context-parallel launch
     cannot run (raises :class:`GradAccConfigError`)."""
-    from .check_cp import check_context_parallel_options, context_parallel_size
-    from .check_sp import check_sequence_parallel_options, sequence_parallel_size
+    from .cp_rows import check_context_parallel_options, context_parallel_size
+    from .sp_rows import check_sequence_parallel_options, sequence_parallel_size
 
     cp_size = context_parallel_size(env)
     if cp_size > 1:
@@ -104,8 +104,8 @@ def mesh_collator(collator: Callable, samples: Sequence[dict[str, Any]]) -> Call
 
     Every rank calls it (under sequence parallelism it agrees the width with a collective).
     """
-    from .check_cp import ContextParallelCollator, context_parallel_size
-    from .check_sp import sequence_parallel_collator, sequence_parallel_size
+    from .cp_rows import ContextParallelCollator, context_parallel_size
+    from .sp_rows import sequence_parallel_collator, sequence_parallel_size
 
     cp_size = context_parallel_size()
     if cp_size > 1:
@@ -116,13 +116,13 @@ def mesh_collator(collator: Callable, samples: Sequence[dict[str, Any]]) -> Call
 
 def mesh_trainer_classes(classes: Sequence[tuple[str, type]]) -> list[tuple[str, type]]:
     """The trainer classes by name: under context parallelism each refusing a head other than a causal LM by name
-    (:func:`hf_gradacc.testing.check_cp.context_parallel_trainer`); under sequence parallelism each set up for it
+    (:func:`hf_gradacc.commands.check.cp_rows.context_parallel_trainer`); under sequence parallelism each set up for it
     (DeepSpeed's groups released between trainers; on a CPU host contiguous inputs:
-    :func:`hf_gradacc.testing.check_sp.sequence_parallel_trainer`); else as they are."""
+    :func:`hf_gradacc.commands.check.sp_rows.sequence_parallel_trainer`); else as they are."""
     import torch
 
-    from .check_cp import context_parallel_size, context_parallel_trainer
-    from .check_sp import sequence_parallel_size, sequence_parallel_trainer
+    from .cp_rows import context_parallel_size, context_parallel_trainer
+    from .sp_rows import sequence_parallel_size, sequence_parallel_trainer
 
     cp_size = context_parallel_size()
     if cp_size > 1:
@@ -136,7 +136,7 @@ def mesh_trainer_classes(classes: Sequence[tuple[str, type]]) -> list[tuple[str,
 def head_cases(sizes: dict[str, int] | None) -> tuple[Any, ...]:
     """The rows of the default run: every built-in head, and with ``ep_size`` > 1 the tiny mixtures of experts too
     (the only built-in models with an expert-parallel plan)."""
-    from .check_scenarios import HEAD_CASES, HeadCase
+    from .scenarios import HEAD_CASES, HeadCase
 
     if not sizes or sizes.get("ep_size", 1) == 1:
         return HEAD_CASES
@@ -184,9 +184,9 @@ def sharded_trainer_pair(
     """
     import torch.distributed as dist
 
-    from ..patches.parallelism_cpu import enable_parallelism_on_cpu
-    from .one_step import _key, _Recorder, compare_with_reference, one_step_args
-    from .tiny import ListDataset
+    from ...patches.parallelism_cpu import enable_parallelism_on_cpu
+    from ...testing.one_step import _key, _Recorder, compare_with_reference, one_step_args
+    from ...testing.tiny import ListDataset
 
     if not verbose:
         from transformers.utils import logging

@@ -1,6 +1,7 @@
 """`hf-gradacc check --trainer reward|kto|rloo|distillation`: ONE step of TRL's trainer and of hf_gradacc's on the same
 synthetic data, each against a float64 full-batch reference written from the loss's definition
-(:mod:`.trl_steps`, :mod:`.trl_more_steps`; no TRL code in them). :mod:`.check_trl` dispatches here.
+(:mod:`hf_gradacc.testing.trl_steps`, :mod:`hf_gradacc.testing.trl_more_steps`; no TRL code in them).
+:mod:`.trl_rows` dispatches here.
 
 - ``reward``: a sequence classifier with one output built from the model's config (seed ``--seed``), Bradley-Terry
   with margins over ``batch x (GA - 1)`` then ``batch - 1`` pairs per process;
@@ -14,7 +15,7 @@ synthetic data, each against a float64 full-batch reference written from the los
 
 Example:
     ```python
-    from hf_gradacc.testing.check_trl_more import more_one_step
+    from hf_gradacc.commands.check.trl_more_rows import more_one_step
 
     step = more_one_step("kto", build_tiny_model("causal_lm"), step_kwargs, world_size=1)
     step.results["GradAccKTOTrainer"].relative_error
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import GradAccConfigError
+from ...errors import GradAccConfigError
 
 MORE_TRL_NAMES: dict[str, str] = {"reward": "Reward", "kto": "KTO", "rloo": "RLOO", "distillation": "Distillation"}
 ON_POLICY = ("rloo", "distillation")
@@ -70,7 +71,7 @@ def _reward_model(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 def _one_update(
     trainer_class: type, model: torch.nn.Module, **trainer_kwargs: Any
 ) -> tuple[dict[str, torch.Tensor], Any]:
-    from .one_step import full_parameters
+    from ...testing.one_step import full_parameters
 
     policy = copy.deepcopy(model)
     initial = {n: p.detach().clone().cpu() for n, p in policy.named_parameters() if p.requires_grad}
@@ -82,14 +83,15 @@ def _one_update(
 
 def more_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size: int) -> Any:
     """ONE SGD(lr=1) step of hf_gradacc's trainer, then of TRL's, for ``kind``; a
-    :class:`~hf_gradacc.testing.trl_gather.TrlStep` (comparisons by trainer name, ours, samples, a line on the data)."""
+    :class:`~hf_gradacc.commands.check.trl_gather.TrlStep` (comparisons by trainer name, ours, samples, a line on
+    the data)."""
     import trl
 
-    from .. import trl as gradacc_trl
-    from . import trl_more_steps as more
-    from . import trl_steps
-    from .one_step import one_step_args
-    from .reference import compare
+    from ... import trl as gradacc_trl
+    from ...testing import trl_more_steps as more
+    from ...testing import trl_steps
+    from ...testing.one_step import one_step_args
+    from ...testing.reference import compare
     from .trl_gather import TrlStep
     from .trl_gather import all_ranks as _all_ranks
 
@@ -97,7 +99,7 @@ def more_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size
     bs, gas, seed = (step_kwargs[k] for k in ("per_device_train_batch_size", "gradient_accumulation_steps", "seed"))
     on_policy = kind in ON_POLICY
     if on_policy:
-        from .grpo_steps import build_tiny_policy, grpo_prompts, grpo_tokenizer, length_reward
+        from ...testing.grpo_steps import build_tiny_policy, grpo_prompts, grpo_tokenizer, length_reward
 
         model = build_tiny_policy(seed)
         tokenizer, dataset = grpo_tokenizer(), grpo_prompts(bs * gas * world_size * 2, seed=seed + 3)
@@ -165,8 +167,8 @@ def more_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size
 
 
 def _reference(kind: str, model: Any, trainer: Any, extra: dict[str, Any], rows: Any, bs: int, all_ranks: Any) -> Any:
-    from . import trl_more_steps as more
-    from . import trl_steps
+    from ...testing import trl_more_steps as more
+    from ...testing import trl_steps
 
     if kind == "reward":
         return trl_steps.reward_reference(model, rows, center=0.0)
@@ -182,7 +184,7 @@ def _reference(kind: str, model: Any, trainer: Any, extra: dict[str, Any], rows:
 
 def more_stock_note(kind: str, stock: Any, tolerance: float) -> str:
     """What the report says about TRL's trainer, exact or not, and why."""
-    from .check_report import off_by
+    from .report import off_by
 
     name = f"{MORE_TRL_NAMES[kind]}Trainer"
     if kind in ON_POLICY:

@@ -1,5 +1,5 @@
 """`hf-gradacc check --trainer sft|dpo`: ONE step of TRL's trainer and of hf_gradacc's on the same synthetic rows,
-each against the float64 full-batch reference of :mod:`.trl_steps` (no TRL code in it).
+each against the float64 full-batch reference of :mod:`hf_gradacc.testing.trl_steps` (no TRL code in it).
 
 A mixture-of-experts model whose loss holds its router term (``output_router_logits`` on) gets that term in the
 reference too, as hf_gradacc weights it (docs/trl.md): each micro-batch's ``router_aux_loss_coef x aux`` by its share
@@ -7,7 +7,7 @@ of the step's routed tokens, over every process's micro-batches.
 
 Example:
     ```python
-    from hf_gradacc.testing.check_trl import trl_one_step
+    from hf_gradacc.commands.check.trl_rows import trl_one_step
     from hf_gradacc.testing.tiny import build_tiny_model
 
     step = trl_one_step("dpo", build_tiny_model("causal_lm"), step_kwargs, world_size=1)
@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ..errors import GradAccConfigError
+from ...errors import GradAccConfigError
 from .trl_gather import TrlStep
 from .trl_gather import all_ranks as _all_ranks
 
@@ -30,7 +30,7 @@ DPO_BETA = 0.1
 
 def trl_trainer_names(kind: str) -> tuple[str, str]:
     """(TRL's trainer, hf_gradacc's) for ``--trainer sft / dpo`` (and reward / kto / rloo / distillation)."""
-    from .check_trl_more import MORE_TRL_NAMES
+    from .trl_more_rows import MORE_TRL_NAMES
 
     name = TRL_NAMES.get(kind) or MORE_TRL_NAMES[kind]
     return f"{name}Trainer", f"GradAcc{name}Trainer"
@@ -57,16 +57,16 @@ def trl_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size:
     TRL's per-row metric gathers need). ``step_kwargs``: :func:`~hf_gradacc.testing.one_step.one_step_args`'
     keywords (batch size, accumulation steps, seed, device).
     """
-    from .check_trl_more import MORE_TRL_NAMES, more_one_step
+    from .trl_more_rows import MORE_TRL_NAMES, more_one_step
 
     if kind in MORE_TRL_NAMES:  # reward, kto, rloo, distillation
         return more_one_step(kind, model, step_kwargs, world_size)
     import trl
 
-    from .. import trl as gradacc_trl
-    from . import trl_steps
-    from .one_step import full_parameters, one_step_args
-    from .reference import compare, router_coefficient
+    from ... import trl as gradacc_trl
+    from ...testing import trl_steps
+    from ...testing.one_step import full_parameters, one_step_args
+    from ...testing.reference import compare, router_coefficient
 
     bs, gas, seed = (
         step_kwargs["per_device_train_batch_size"],
@@ -131,8 +131,8 @@ def trl_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size:
 
 def trl_stock_note(kind: str, stock: Any, tolerance: float, *, has_router: bool = False) -> str:
     """What the report says about TRL's trainer, exact or not, and why."""
-    from .check_report import off_by
-    from .check_trl_more import MORE_TRL_NAMES, more_stock_note
+    from .report import off_by
+    from .trl_more_rows import MORE_TRL_NAMES, more_stock_note
 
     if kind in MORE_TRL_NAMES:
         return more_stock_note(kind, stock, tolerance)
