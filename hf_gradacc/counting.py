@@ -1,33 +1,31 @@
-"""What a micro-batch counts, by head family and by mesh dimension: the one place that knows.
+"""What a micro-batch counts, and what an optimizer step counts over every rank: the one place that decides.
 
-Two questions, two halves of this module, both pure (tensors, ints and sizes in; counts out):
+Every count of the library is asked from here, all pure (tensors, ints and sizes in; counts out):
 
-1. **What one micro-batch counts** (:func:`count_micro_batch`, :class:`MicroBatchCounts`): target tokens after the
-   causal shift for causal LMs (``shift_labels`` as given when the batch has them), labels that are not
-   ``ignore_index`` for the other token heads, labelled rows for sequence-level heads, attended input positions
-   (``input_tokens``), and the input tokens ``include_num_input_tokens_seen`` tracks.
-2. **Over which ranks the counts add up** (:func:`count_rule`, :class:`CountRule`): a counted target is counted once
-   over the mesh dimensions that hold DIFFERENT samples or different positions of a sample (data: ``dp_replicate`` x
-   ``dp_shard``; sequence: ``cp`` and ``sp`` shards), never again over the dimensions that hold copies of the same
-   tokens (``tp``, ``pp`` stages; ``ep`` is a second layout of the ``dp_shard`` x ``tp`` ranks, not a dimension of its
-   own). The step's loss is multiplied by the number of ranks the backend averages gradients over, which is that same
-   group on every mesh the Hugging Face stack builds.
+- **one micro-batch** (:func:`count_micro_batch`, :class:`MicroBatchCounts`): target tokens after the causal shift
+  for causal LMs (``shift_labels`` as given when the batch has them), labels that are not ``ignore_index`` for the
+  other token heads, labelled rows for sequence-level heads, the ``loss_weights`` of counted targets
+  (:mod:`hf_gradacc.weights`), attended input positions (``input_tokens``), and the input tokens
+  ``include_num_input_tokens_seen`` tracks; :class:`Counter` counts what this rank holds of a training micro-batch
+  (its context-parallel shard under ``cp_size`` > 1);
+- **one optimizer step** (:func:`gather_window_counts`, :class:`WindowCounts`): the step's counts summed over every
+  micro-batch and rank in one collective;
+- **one denominator dispatch** (:data:`DENOMINATOR_FIELDS`): which count a ``LossTerm``'s ``normalize_by`` names.
 
-:mod:`hf_gradacc.heads` (which family a model is), :mod:`hf_gradacc.step.window` (one collective per step) and the
-backends only ask this module; none of them decides a count.
+Over which ranks the counts add up, and which ranks the backend averages over, is the mesh's answer
+(:class:`hf_gradacc.backends.mesh.Mesh`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers.utils import logging
 
-from .errors import GradAccConfigError, GradAccDataError
+from .errors import GradAccDataError
 from .loss import IGNORE_INDEX, SAMPLE_LEVEL_HEADS, HeadType, token_count
 from .weights import target_weight_sum
 
@@ -37,15 +35,15 @@ LABEL_KEY = "labels"
 SHIFT_LABELS_KEY = "shift_labels"
 PACKED_KEY = "cu_seq_lens_q"  # a packed row's sequence offsets ([0, n0, n0 + n1, ..., T]): its samples
 
-# Mesh dimensions, in the order accelerate's ParallelismConfig / transformers' DistributedConfig name them.
-MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "cp", "sp", "ep", "pp")
-# Dimensions whose ranks hold different samples (data) or different positions of a sample (sequence): counted over.
-COUNTED_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "sp")
-# Dimensions whose ranks hold copies of the same tokens: never counted over again.
-COPY_DIMS: tuple[str, ...] = ("tp", "pp")
-
-
 # ---------------------------------------------------------------------------------------------- one micro-batch
+# The denominators a loss term is normalised by, each with the count that holds it: the one dispatch.
+DENOMINATOR_FIELDS: dict[str, str] = {
+    "tokens": "num_tokens",
+    "samples": "num_samples",
+    "input_tokens": "num_input_tokens",
+    "weights": "weight_sum",
+}
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MicroBatchCounts:
     """Counted items of one micro-batch on this rank.
@@ -77,13 +75,9 @@ class MicroBatchCounts:
     weight_sum: float | None = None  # the `loss_weights` of its counted targets, summed (None: no weights column)
 
     def get(self, denominator: str) -> int | float:
-        if denominator == "tokens":
-            return self.num_tokens
-        if denominator == "input_tokens":
-            return self.num_input_tokens
-        if denominator == "weights":
-            return self.weight_sum or 0.0
-        return self.num_samples
+        """The count of ``denominator`` (:data:`DENOMINATOR_FIELDS`; any other name counts samples)."""
+        value = getattr(self, DENOMINATOR_FIELDS.get(denominator, "num_samples"))
+        return 0.0 if value is None else value
 
 
 def count_micro_batch(
@@ -199,136 +193,158 @@ def seen_token_count(main_input: Any, attention_mask: Any, mode: str, pad_token_
     return int(main_input.numel())
 
 
-# ---------------------------------------------------------------------------------------------- the mesh
-def _size(mesh: Any, dim: str) -> int:
-    value = mesh.get(dim, 1) if isinstance(mesh, Mapping) else getattr(mesh, dim, 1)
-    value = 1 if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise GradAccConfigError(f"mesh size `{dim}` ({value!r}) must be a whole number >= 1")
-    return value
+# ---------------------------------------------------------------------------------------------- the step's counts
+# Order of the values in the per-rank count vector that is gathered once per window.
+_TOKENS, _SAMPLES, _INPUT_TOKENS, _SEEN_TOKENS, _POSITIONS, _MICRO_BATCHES, _FAILED = range(7)
+_FIRST_TOKENS, _FIRST_SAMPLES, _FIRST_INPUT_TOKENS = range(7, 10)  # micro-batch 0 of the rank (0 without one)
+# Micro-batches with `loss_weights`, and their weight sum: a float64 carried as its 64 bits in the int64 vector (a
+# gather moves bits unchanged; the sum over ranks is taken in float64 after it, in rank order, alike on every rank).
+_WEIGHTED, _WEIGHT_BITS = 10, 11
+# What a step's batches must carry for a denominator to be counted, and what to do otherwise.
+_NEEDS: dict[str, tuple[str, str]] = {
+    "weights": ("weighted", "the step's batches have no `loss_weights` column to sum; add it to the dataset (and the "
+                "data collator), or use 'tokens' / 'samples'"),
+    "tokens": ("labelled", "the batch has no `labels` to count them; use normalize_by='samples', or have the data "
+               "collator return `labels`"),
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CountRule:
-    """Where one optimizer step's counts add up on a mesh, and the loss scale that makes the backend's average a sum.
+class WindowCounts:
+    """Denominators of one optimizer step: per micro-batch on this rank, and summed over the window and all ranks."""
 
-    Attributes:
-        count_dims: the mesh dimensions (of size > 1) whose ranks' counts are summed: the count group.
-        count_group_size: ranks in the count group (their counts are disjoint: each counted target once).
-        copies: ranks holding copies of the same tokens (``tp`` x ``pp``): their counts are never added.
-        loss_scale: the number of ranks the backend AVERAGES gradients over; each micro-batch's summed loss is
-            multiplied by it (then divided by the global count). FSDP2 averages over ``dp_replicate`` x ``dp_shard``
-            x ``cp`` (accelerate's ``dp_shard_cp``): the whole count group. DeepSpeed-Ulysses (``sp``) reduces over
-            its sequence-data group but divides by the data ranks only (measured with ZeRO-1/2: the ``sp`` shards'
-            gradients are summed), so ``sp`` is counted but not in the scale. Never ``tp`` or ``pp``.
-        world_size: every rank of the mesh.
+    micro_batches: tuple[MicroBatchCounts, ...]
+    global_tokens: int
+    global_samples: int
+    num_micro_batches_per_rank: tuple[int, ...]
+    global_input_tokens: int = 0
+    global_seen_tokens: int = 0
+    global_positions: int = 0
+    # Micro-batch 0 of every rank, summed over ranks: the items behind the gradient after the first micro-batch when
+    # the backend reduces every micro-batch (gradient noise scale). None for streamed windows and after a resplit.
+    global_first: MicroBatchCounts | None = None
+    # The `loss_weights` of counted targets, summed over the window and every rank (hf_gradacc.weights).
+    global_weights: float = 0.0
+    num_weighted_micro_batches: int = 0
 
-    Example:
-        ```python
-        rule = count_rule({"dp_shard": 2, "tp": 2})
-        rule.count_dims, rule.count_group_size, rule.loss_scale, rule.copies   # ('dp_shard',), 2, 2, 2
-        ```
-    """
+    @property
+    def weighted(self) -> bool:
+        """True when the step's micro-batches carry `loss_weights` (every one of them, on every rank)."""
+        return self.num_weighted_micro_batches > 0
 
-    count_dims: tuple[str, ...]
-    count_group_size: int
-    copies: int
-    loss_scale: int
-    world_size: int
+    @property
+    def labelled(self) -> bool:
+        """False when this rank's micro-batches carry no labels (only samples can be counted)."""
+        return all(mb.labelled for mb in self.micro_batches)
 
-    def describe(self) -> str:
-        """One line: ``"counts summed over dp_shard (2 ranks), not over 2 copies (tp, pp); loss x 2"``."""
-        dims = " x ".join(self.count_dims) or "nothing (one rank)"
-        copies = f", not over {self.copies} copies (tp, pp)" if self.copies > 1 else ""
-        return f"counts summed over {dims} ({self.count_group_size} ranks){copies}; loss x {self.loss_scale}"
+    @property
+    def local_tokens(self) -> int:
+        return sum(mb.num_tokens for mb in self.micro_batches)
 
+    @property
+    def local_samples(self) -> int:
+        return sum(mb.num_samples for mb in self.micro_batches)
 
-def count_rule(mesh: Any) -> CountRule:
-    """The count rule of ``mesh``: any object (or mapping) with sizes ``dp_replicate``, ``dp_shard``, ``tp``, ``cp``,
-    ``sp``, ``ep``, ``pp`` (a missing or None size is 1), e.g. :class:`hf_gradacc.backends.mesh.Mesh`.
+    @property
+    def local_input_tokens(self) -> int:
+        return sum(mb.num_input_tokens for mb in self.micro_batches)
 
-    ``ep`` is not a factor of the world: transformers lays the experts out over the same ``dp_shard`` x ``tp`` ranks
-    (``ep_size`` must divide ``fsdp_size * tp_size``), so the routed tokens come from samples the data dimensions
-    already count; it must divide ``dp_shard`` x ``tp``.
+    @property
+    def local_seen_tokens(self) -> int:
+        return sum(mb.num_seen_tokens for mb in self.micro_batches)
 
-    Example:
-        ```python
-        count_rule({"dp_replicate": 2, "dp_shard": 2}).loss_scale          # 4: HSDP counts and averages over both
-        count_rule({"dp_shard": 2, "cp": 2}).count_dims                      # ('dp_shard', 'cp')
-        count_rule({"dp_shard": 2, "tp": 2}).count_group_size                # 2: the tp copies are not counted
-        ```
-    """
-    sizes = {dim: _size(mesh, dim) for dim in MESH_DIMS}
-    if (sizes["dp_shard"] * sizes["tp"]) % sizes["ep"]:
-        raise GradAccConfigError(
-            f"`ep_size` ({sizes['ep']}) must divide `fsdp_size` x `tp_size` ({sizes['dp_shard']} x {sizes['tp']}): "
-            "the experts are laid out over the data-shard and tensor ranks. Change `ep_size` in DistributedConfig."
+    @property
+    def totals(self) -> MicroBatchCounts:
+        """The step's counts summed over every micro-batch and rank, as one :class:`MicroBatchCounts`."""
+        return MicroBatchCounts(
+            num_tokens=self.global_tokens, num_samples=self.global_samples, num_input_tokens=self.global_input_tokens,
+            num_seen_tokens=self.global_seen_tokens, num_positions=self.global_positions,
+            weight_sum=self.global_weights if self.weighted else None,
         )
-    dims = tuple(d for d in COUNTED_DIMS if sizes[d] > 1)
-    group = 1
-    for dim in COUNTED_DIMS:
-        group *= sizes[dim]
-    copies = sizes["tp"] * sizes["pp"]
-    # The sequence-parallel shards' gradients are summed by DeepSpeed (it divides by the data ranks only).
-    return CountRule(count_dims=dims, count_group_size=group, copies=copies, loss_scale=group // sizes["sp"],
-                     world_size=group * copies)  # fmt: skip
+
+    def global_count(self, denominator: str) -> int | float:
+        """The step's count of ``denominator`` over every micro-batch and rank."""
+        return self.totals.get(denominator)
+
+    def unavailable(self, denominator: str) -> str | None:
+        """Why this step cannot count ``denominator`` (its batches lack what it counts), or None."""
+        need, why = _NEEDS.get(denominator, (None, None))
+        return why if need is not None and not getattr(self, need) else None
+
+    def with_micro_batches(self, micro_batches: Sequence[MicroBatchCounts]) -> WindowCounts:
+        """The same window (same samples, same global counts) cut into other micro-batches on this rank; the first
+        micro-batch is another one then, so ``global_first`` is dropped."""
+        return replace(self, micro_batches=tuple(micro_batches), global_first=None)
 
 
-# ---------------------------------------------------------------------------------------------- sequence shards
-def context_parallel_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """The positions of a sequence one context-parallel rank holds, laid out as torch's ``context_parallel`` (the
-    round-robin load balancer accelerate's ``cp_size`` uses): the sequence cut into ``2 * cp_size`` equal chunks, rank
-    ``r`` holding chunk ``r`` and chunk ``2 * cp_size - 1 - r`` (a head and a tail: equal causal-attention work).
+def gather_window_counts(
+    micro_batches: Sequence[MicroBatchCounts],
+    all_gather: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device | str = "cpu",
+    *,
+    error: BaseException | None = None,
+) -> WindowCounts:
+    """Sum the window's counts over all ranks with ONE collective.
 
-    Example:
-        ```python
-        context_parallel_indices(8, 2, 0).tolist()   # [0, 1, 6, 7]
-        context_parallel_indices(8, 2, 1).tolist()   # [2, 3, 4, 5]
-        ```
+    ``all_gather`` takes this rank's int64 vector and returns a ``(world_size, n)`` tensor (or the vector itself on a
+    single process). ``error``: this rank could not count its micro-batches; every rank learns it from the same
+    collective and raises (this rank its own error, the others one naming this rank), so no rank is left waiting.
     """
-    chunks = 2 * cp_size
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise GradAccConfigError(f"context-parallel rank {cp_rank} is outside a `cp_size` of {cp_size}")
-    if seq_len % chunks:
+    local = torch.tensor(
+        [
+            sum(mb.num_tokens for mb in micro_batches),
+            sum(mb.num_samples for mb in micro_batches),
+            sum(mb.num_input_tokens for mb in micro_batches),
+            sum(mb.num_seen_tokens for mb in micro_batches),
+            sum(mb.num_positions for mb in micro_batches),
+            len(micro_batches),
+            int(error is not None),
+            *((micro_batches[0].num_tokens, micro_batches[0].num_samples, micro_batches[0].num_input_tokens)
+              if micro_batches else (0, 0, 0)),
+            sum(mb.weight_sum is not None for mb in micro_batches),
+            _float_bits(sum(mb.weight_sum or 0.0 for mb in micro_batches)),
+        ],
+        dtype=torch.int64,
+        device=device,
+    )
+    rows = all_gather(local).reshape(-1, local.numel()).cpu()
+    failed = [r for r in range(rows.shape[0]) if int(rows[r, _FAILED])]
+    if error is not None:
+        raise error
+    if failed:
         raise GradAccDataError(
-            f"A sequence of {seq_len} positions cannot be split into 2 x `cp_size` ({chunks}) equal chunks: pad the "
-            f"micro-batches to a multiple of {chunks} (`pad_to_multiple_of` in the data collator)."
+            f"Rank(s) {failed} could not count their micro-batches of this optimizer step (see the error on those "
+            "ranks); every rank stops here rather than wait for them."
         )
-    size = seq_len // chunks
-    head = torch.arange(cp_rank * size, (cp_rank + 1) * size)
-    tail = torch.arange((chunks - 1 - cp_rank) * size, (chunks - cp_rank) * size)
-    return torch.cat([head, tail])
+    num_weighted = int(rows[:, _WEIGHTED].sum())
+    if 0 < num_weighted < int(rows[:, _MICRO_BATCHES].sum()):
+        raise GradAccDataError(
+            f"{num_weighted} of the {int(rows[:, _MICRO_BATCHES].sum())} micro-batches of this optimizer step (over "
+            "every rank) carry `loss_weights`, the others none: the step's denominator would mix weights and counts. "
+            "Give every sample a weight (1.0 for an unweighted one), or drop the column."
+        )
+    return WindowCounts(
+        global_weights=float(rows[:, _WEIGHT_BITS].contiguous().view(torch.float64).sum()),
+        num_weighted_micro_batches=num_weighted,
+        micro_batches=tuple(micro_batches),
+        global_tokens=int(rows[:, _TOKENS].sum()),
+        global_samples=int(rows[:, _SAMPLES].sum()),
+        num_micro_batches_per_rank=tuple(int(n) for n in rows[:, _MICRO_BATCHES]),
+        global_input_tokens=int(rows[:, _INPUT_TOKENS].sum()),
+        global_seen_tokens=int(rows[:, _SEEN_TOKENS].sum()),
+        global_positions=int(rows[:, _POSITIONS].sum()),
+        global_first=MicroBatchCounts(
+            num_tokens=int(rows[:, _FIRST_TOKENS].sum()),
+            num_samples=int(rows[:, _FIRST_SAMPLES].sum()),
+            num_input_tokens=int(rows[:, _FIRST_INPUT_TOKENS].sum()),
+        ),
+    )
 
 
-def context_parallel_shard(
-    batch: Mapping[str, Any], cp_size: int, cp_rank: int, *, ignore_index: int = IGNORE_INDEX
-) -> dict[str, Any]:
-    """One context-parallel rank's part of a causal-LM micro-batch: ``shift_labels`` made from the WHOLE sequence
-    first (so the target of a shard's last position, which lives on another shard, is kept), then every per-position
-    tensor (``input_ids``, ``labels``, ``shift_labels``, ``attention_mask``, ``position_ids``) cut by
-    :func:`context_parallel_indices`. What each shard counts (:func:`count_micro_batch`) then adds up over the shards
-    to the whole sequence's count, as the transformers Trainer prepares inputs for ``cp_size`` > 1.
+def _float_bits(value: float) -> int:
+    """The 64 bits of the float64 ``value`` as an int64 (to travel in an int64 gather unchanged)."""
+    return int(torch.tensor([value], dtype=torch.float64).view(torch.int64)[0])
 
-    Example:
-        ```python
-        shard = context_parallel_shard({"input_ids": ids, "labels": ids}, cp_size=2, cp_rank=1)
-        count_micro_batch(shard, "causal_lm").num_tokens      # this shard's share of the count
-        ```
-    """
-    out = dict(batch)
-    if SHIFT_LABELS_KEY not in out and torch.is_tensor(out.get(LABEL_KEY)):
-        out[SHIFT_LABELS_KEY] = F.pad(out[LABEL_KEY], (0, 1), value=ignore_index)[..., 1:].contiguous()
-    inputs = out.get("input_ids", out.get(SHIFT_LABELS_KEY))
-    if not torch.is_tensor(inputs) or inputs.dim() < 2:
-        raise GradAccDataError(f"A context-parallel shard needs per-position tensors; keys: {sorted(batch)}")
-    seq_len = inputs.shape[1]
-    if "position_ids" not in out:
-        out["position_ids"] = torch.arange(seq_len).expand(inputs.shape[0], -1)
-    index = context_parallel_indices(seq_len, cp_size, cp_rank).to(inputs.device)
-    for key, value in out.items():
-        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == seq_len:
-            out[key] = value.index_select(1, index)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- this rank's counts

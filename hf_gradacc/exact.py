@@ -117,12 +117,7 @@ def make_exact(trainer: Trainer, **gradacc_args: Any) -> Trainer:
     original = type(trainer)
     exact = exact_class(original)
     check_trainer_class(exact)  # the private members the step rests on (compat.py), before anything changes
-    trainer.__class__ = exact
-    try:
-        trainer._setup_gradacc(gradacc_args)
-    except BaseException:
-        trainer.__class__ = original
-        raise
+    GradAccMixin.adopt(trainer, exact, gradacc_args)
     if "compute_loss" in exact.__dict__ and not exact.__module__.startswith("hf_gradacc.trl"):
         # The class's compute_loss may call super().compute_loss, which is then the STOCK Trainer's: with
         # `model_accepts_loss_kwargs` it would multiply the micro-batch's mean by the number of processes

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers.utils import logging as hf_logging
 
 from .callbacks.base import GradAccCallback
-
-if TYPE_CHECKING:
-    from .mixin import GradAccMixin
 
 LOGGER_NAME = "hf_gradacc"
 logger = hf_logging.get_logger(__name__)
@@ -68,8 +65,9 @@ def follow_transformers_verbosity() -> int:
     return level
 
 
-def active_line(trainer: GradAccMixin) -> str:
-    """The line logged beside the Trainer's ``***** Running training *****`` banner.
+def active_line(trainer: Any) -> str:
+    """The line logged beside the Trainer's ``***** Running training *****`` banner, for a trainer with
+    :class:`~hf_gradacc.GradAccMixin` (its settings, head, backend and arguments).
 
     Example:
         ```python
@@ -77,16 +75,16 @@ def active_line(trainer: GradAccMixin) -> str:
         # hf_gradacc: exact gradient accumulation, single process (NO), causal_lm, GA 4 x 1 ranks, count by tokens
         ```
     """
-    settings = trainer.gradacc
-    head = trainer.head.type or "loss family unknown (own compute_loss)"
+    settings, head, backend = trainer.gradacc, trainer.head, trainer.backend
+    family = head.type or "loss family unknown (own compute_loss)"
     accumulation = (
         f"GA schedule {settings.accumulation_schedule}"
         if settings.accumulation_schedule is not None
         else f"GA {trainer.args.gradient_accumulation_steps}"
     )
     return (
-        f"hf_gradacc: exact gradient accumulation, {trainer.backend.describe()}, {head}, {accumulation} x "
-        f"{trainer.backend.dp_world_size} ranks, count by {trainer.head.denominator()}"
+        f"hf_gradacc: exact gradient accumulation, {backend.describe()}, {family}, {accumulation} x "
+        f"{backend.mesh.dp_world_size} ranks, count by {head.denominator()}"
     )
 
 
@@ -100,7 +98,7 @@ class ActiveLineCallback(GradAccCallback):
             logger.info(active_line(self.trainer))
 
 
-def announce_active(trainer: GradAccMixin) -> None:
+def announce_active(trainer: Any) -> None:
     """Part of the trainer's setup: the loggers follow transformers' verbosity from now on, and the active line will
     be logged when training begins.
 

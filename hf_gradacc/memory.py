@@ -6,8 +6,9 @@ import gc
 
 import torch
 
+from .counting import rows_of
 from .errors import GradAccDataError
-from .step.window import Window, rows_of
+from .step.window import Window
 
 # What the allocators say when they run out (older torch raised a plain RuntimeError for CUDA; the CPU, MPS, XPU
 # and HIP allocators still do). A RuntimeError that merely mentions memory is NOT one of them.

@@ -34,8 +34,15 @@ from .callbacks.batchnorm import batchnorm_callback_for
 from .checkpoints import DataPosition, checkpoint_save, data_parallel_size, prefix_blocker, resolve_resume
 from .compat import check_trainer_class
 from .config import GradAccArguments, GradAccSettings, resolve_settings
-from .counting import Counter, SeenTokens
-from .data.loader import build_train_dataloader, check_train_dataset, fetch_batches, find_regroup_sampler, plan_epoch
+from .counting import LABEL_KEY, Counter, SeenTokens
+from .data.loader import (
+    TrainData,
+    build_train_dataloader,
+    check_train_dataset,
+    fetch_batches,
+    find_regroup_sampler,
+    plan_epoch,
+)
 from .data.pack_check import check_packing_support
 from .errors import GradAccConfigError, GradAccLossError
 from .fused.choice import FusedPolicy
@@ -46,7 +53,7 @@ from .loss import LossTerm, parse_loss_output
 from .moe_balance import check_router_balance
 from .step.engine import DATA_RAN_OUT, LossSource, StepEngine
 from .step.plan import realign_learning_rate
-from .step.window import LABEL_KEY, Window
+from .step.window import Window
 from .weights import keep_weights_column
 
 logger = logging.get_logger(__name__)
@@ -164,6 +171,19 @@ class GradAccMixin:
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, GradAccCallback):
                 callback.bind(self)
+
+    @staticmethod
+    def adopt(trainer: Any, exact_class: type, gradacc_args: Any) -> None:
+        """Give ``trainer`` (a built `Trainer`) the class ``exact_class`` (the mixin in front of its class) and run the
+        setup ``__init__`` would have run after `Trainer.__init__`; its class is restored if the setup refuses
+        (:func:`~hf_gradacc.make_exact`)."""
+        original = type(trainer)
+        trainer.__class__ = exact_class
+        try:
+            trainer._setup_gradacc(gradacc_args)
+        except BaseException:
+            trainer.__class__ = original
+            raise
 
     def _loss_source(self) -> LossSource:
         """Where this trainer's loss comes from: its class's overrides, or a ``compute_loss_func`` (a Trainer
@@ -400,7 +420,7 @@ class GradAccMixin:
                 f" {self.state.global_step}!"
             )
             self.control.should_training_stop = True
-        if self.backend.dp_world_size > 1:
+        if self.backend.mesh.dp_world_size > 1:
             # The loss trained since the last log, as the mean over ranks: `Trainer` adds it to the run's
             # `train_loss` at the end without reducing it. Every rank reaches this point: an agreed collective.
             self._tr_loss.copy_(self.backend.all_gather(self._tr_loss.detach()).mean(dim=0))
@@ -484,12 +504,23 @@ class GradAccMixin:
         return fetch_batches(epoch_iterator, num_batches), None
 
     # ------------------------------------------------------------------ data
+    @property
+    def train_data(self) -> TrainData:
+        """The training data as hf_gradacc's data planners and callbacks take it (:class:`~hf_gradacc.data.loader.TrainData`):
+        the dataset, the collator, and the Trainer's own column handling, sampler, batch size and input preparation."""
+        return TrainData(
+            dataset=self.train_dataset, collator=self.data_collator, args=self.args, accelerator=self.accelerator,
+            model=self.model, processing_class=self.processing_class, batch_size=self._train_batch_size,
+            remove_columns=self._remove_unused_columns, wrap_collator=self._get_collator_with_removed_columns,
+            train_sampler=self._get_train_sampler, prepare=self._prepare_inputs,
+        )
+
     def get_train_dataloader(self):
         """`Trainer.get_train_dataloader`; with ``regroup_micro_batches`` / ``max_tokens_per_micro_batch`` its batch
         sampler is a :class:`~hf_gradacc.data.WindowRegroupBatchSampler` (same samples per optimizer step, less
         padding). Iterable datasets keep the stock loader (a warning says so)."""
         check_train_dataset(self.train_dataset)
-        dataloader = build_train_dataloader(self, self.gradacc)
+        dataloader = build_train_dataloader(self.train_data, self.gradacc)
         return dataloader if dataloader is not None else super().get_train_dataloader()
 
     def set_initial_training_values(self, args, dataloader):

@@ -3,7 +3,7 @@
 
 The step's loss is ``sum_i w_i * loss_i / sum_i w_i`` over every COUNTED target ``i`` (labels that are not
 ``ignore_index``, after the causal shift) of every micro-batch of the optimizer step on every data-parallel rank. The
-weight sum travels in the step's one count collective (:func:`hf_gradacc.step.window.gather_window_counts`), so nothing
+weight sum travels in the step's one count collective (:func:`hf_gradacc.counting.gather_window_counts`), so nothing
 is added to a step's communication. A per-sample weight applies to every counted target of its row; a per-token
 weight is aligned with ``labels`` (``loss_weights[b, j]`` weights the target ``labels[b, j]``, the one position
 ``j - 1`` predicts in a causal LM).

@@ -16,7 +16,8 @@ Measures:
 - command modules in testing/: modules of ``hf_gradacc/testing`` that ``hf_gradacc/commands`` imports other than
   fixtures and references;
 - ``# fmt: skip`` lines and lines over 119 characters in the package;
-- denominator dispatches: functions that pick a count by comparing a value with two or more of the denominator names;
+- denominator dispatches: functions that pick a count by comparing a value with two or more of the denominator names,
+  and tables keyed by three or more of them;
 - "which ranks" answers: definitions that size a group of ranks (names in ``RANK_ANSWER_NAMES``);
 - package modules missing from docs/architecture.md.
 """
@@ -234,6 +235,11 @@ def denominator_dispatches() -> list[str]:
                             compared.add(side.value)
             if len(compared) >= 2:
                 found.append(f"{rel}:{fn.lineno} {fn.name} {sorted(compared)}")
+        for node in ast.walk(tree):  # a table from denominator names to what each counts
+            if isinstance(node, ast.Dict):
+                keys = {k.value for k in node.keys if isinstance(k, ast.Constant) and k.value in DENOMINATORS}
+                if len(keys) >= 3:
+                    found.append(f"{rel}:{node.lineno} table {sorted(keys)}")
     return found
 
 

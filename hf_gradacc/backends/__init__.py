@@ -108,12 +108,12 @@ def resolve_backend(
         if tp_size > 1 or uses_expert_parallelism(model):
             from .tensor_parallel import TensorParallelBackend  # a model sharded by transformers' DistributedConfig
 
-            return TensorParallelBackend(accelerator, args, settings, multi_backward=multi_backward)
-        return DDPBackend(accelerator, args, settings, multi_backward=multi_backward)
+            return TensorParallelBackend(accelerator, args, settings, multi_backward=multi_backward, model=model)
+        return DDPBackend(accelerator, args, settings, multi_backward=multi_backward, model=model)
     if dist_type == DistributedType.DEEPSPEED:
         from .deepspeed import DeepSpeedBackend  # deepspeed is an optional dependency
 
-        return DeepSpeedBackend(accelerator, args, settings, multi_backward=multi_backward)
+        return DeepSpeedBackend(accelerator, args, settings, multi_backward=multi_backward, model=model)
     if dist_type == DistributedType.FSDP:
         version = getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1)
         if version != 2:
@@ -124,7 +124,7 @@ def resolve_backend(
         from .fsdp2 import FSDP2Backend, check_fsdp2_sharding_strategy
 
         check_fsdp2_sharding_strategy(accelerator.state.fsdp_plugin, getattr(accelerator, "parallelism_config", None))
-        return FSDP2Backend(accelerator, args, settings, multi_backward=multi_backward)
+        return FSDP2Backend(accelerator, args, settings, multi_backward=multi_backward, model=model)
     raise UnsupportedBackendError(
         f"GradAccTrainer cannot make accumulation exact under distributed type {dist_type!s}. "
         f"Supported: {', '.join(SUPPORTED_BACKENDS)}. Change the accelerate config (`distributed_type`)."

@@ -13,6 +13,7 @@ from ..config import GradAccSettings
 from ..errors import GradAccUsageError, UnsupportedBackendError
 from ..grads import RunningGradNorm
 from ..schedule import scaled_learning_rate
+from .mesh import Mesh, mesh_from_accelerator
 
 logger = logging.get_logger(__name__)
 
@@ -35,6 +36,8 @@ class Backend:
         multi_backward: a micro-batch may run several backward passes through one forward pass
             (``backward_per_term``, an overridden ``training_step``, ``auto_micro_batch``, streamed windows):
             forward passes must then not decide the sync, and only the FINAL backward pass of a window reduces.
+        model: the model as built (its ``DistributedConfig`` sizes the mesh until :meth:`setup` binds the prepared
+            one).
     """
 
     name: ClassVar[str] = "base"
@@ -50,12 +53,15 @@ class Backend:
         settings: GradAccSettings | None = None,
         *,
         multi_backward: bool = False,
+        model: torch.nn.Module | None = None,
     ) -> None:
         self.accelerator = accelerator
         self.args = args
         self.settings = settings = settings or GradAccSettings()
         self.multi_backward = multi_backward
         self.model: torch.nn.Module | None = None
+        self._built_model = model
+        self._mesh: Mesh | None = None
         for knob in ("defer_normalization", "auto_micro_batch"):
             if getattr(settings, knob) and not self.supports_deferred_sync:
                 raise UnsupportedBackendError(
@@ -85,14 +91,15 @@ class Backend:
         """One line for logs and reports: the setup, the number of ranks and the process-group backend."""
         import torch.distributed as dist
 
-        if self.dp_world_size <= 1:
+        if self.mesh.dp_world_size <= 1:
             return f"single process ({self.kind()})"
         group = dist.get_backend() if dist.is_available() and dist.is_initialized() else "?"
-        return f"{self.kind()}, {self.dp_world_size} processes, {group}"
+        return f"{self.kind()}, {self.mesh.dp_world_size} processes, {group}"
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Bind the prepared (wrapped) model once, before the first window; check what the backend built."""
         self.model = model
+        self._mesh = None  # read again from the prepared model (FSDP2's DTensor parameters)
 
     def _bound(self) -> torch.nn.Module:
         if self.model is None:
@@ -100,8 +107,21 @@ class Backend:
         return self.model
 
     @property
-    def dp_world_size(self) -> int:
-        """Number of ranks the backend averages gradients over."""
+    def mesh(self) -> Mesh:
+        """The run's :class:`~hf_gradacc.backends.mesh.Mesh`: which ranks count, average and hold copies (read from
+        accelerate's state, its ``parallelism_config``, the model's ``DistributedConfig`` and, once :meth:`setup`
+        bound the prepared model, its DTensor parameters)."""
+        if self._mesh is None:
+            model = self.model if self.model is not None else self._built_model
+            self._mesh = mesh_from_accelerator(self.accelerator, model)
+            import os  # AUDIT (temporary)
+
+            if os.environ.get("HF_GRADACC_MESH_AUDIT") and self._mesh.dp_world_size != self._legacy_dp_world_size():
+                raise AssertionError(f"MESH AUDIT: {type(self).__name__} mesh {self._mesh} dp_world_size "
+                                     f"{self._mesh.dp_world_size} != legacy {self._legacy_dp_world_size()}")
+        return self._mesh
+
+    def _legacy_dp_world_size(self) -> int:  # AUDIT (temporary)
         return self.accelerator.num_processes
 
     @property

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from transformers.utils import logging
 
 from ..builtin_loss import batch_mean_loss
-from ..counting import LABEL_KEY, PACKED_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, context_parallel_shard
+from ..counting import LABEL_KEY, PACKED_KEY, SHIFT_LABELS_KEY, MicroBatchCounts
 from ..errors import GradAccCompatibilityError, GradAccConfigError, GradAccDataError
 from ..loss import IGNORE_INDEX
 
@@ -54,6 +54,64 @@ logger = logging.get_logger(__name__)
 SHARDED_KEYS: tuple[str, ...] = ("input_ids", LABEL_KEY, SHIFT_LABELS_KEY, "attention_mask", "position_ids")
 # What a right pad holds, per key (input ids: any id works, a padded position is seen by no real token).
 _PAD_VALUES = {"input_ids": 0, "attention_mask": 0}
+
+
+# ---------------------------------------------------------------------------------------------- the layout
+def context_parallel_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The positions of a sequence one context-parallel rank holds, laid out as torch's ``context_parallel`` (the
+    round-robin load balancer accelerate's ``cp_size`` uses): the sequence cut into ``2 * cp_size`` equal chunks, rank
+    ``r`` holding chunk ``r`` and chunk ``2 * cp_size - 1 - r`` (a head and a tail: equal causal-attention work).
+
+    Example:
+        ```python
+        context_parallel_indices(8, 2, 0).tolist()   # [0, 1, 6, 7]
+        context_parallel_indices(8, 2, 1).tolist()   # [2, 3, 4, 5]
+        ```
+    """
+    chunks = 2 * cp_size
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise GradAccConfigError(f"context-parallel rank {cp_rank} is outside a `cp_size` of {cp_size}")
+    if seq_len % chunks:
+        raise GradAccDataError(
+            f"A sequence of {seq_len} positions cannot be split into 2 x `cp_size` ({chunks}) equal chunks: pad the "
+            f"micro-batches to a multiple of {chunks} (`pad_to_multiple_of` in the data collator)."
+        )
+    size = seq_len // chunks
+    head = torch.arange(cp_rank * size, (cp_rank + 1) * size)
+    tail = torch.arange((chunks - 1 - cp_rank) * size, (chunks - cp_rank) * size)
+    return torch.cat([head, tail])
+
+
+def context_parallel_shard(
+    batch: Mapping[str, Any], cp_size: int, cp_rank: int, *, ignore_index: int = IGNORE_INDEX
+) -> dict[str, Any]:
+    """One context-parallel rank's part of a causal-LM micro-batch: ``shift_labels`` made from the WHOLE sequence
+    first (so the target of a shard's last position, which lives on another shard, is kept), then every per-position
+    tensor (``input_ids``, ``labels``, ``shift_labels``, ``attention_mask``, ``position_ids``) cut by
+    :func:`context_parallel_indices`. What each shard counts (:func:`count_micro_batch`) then adds up over the shards
+    to the whole sequence's count, as the transformers Trainer prepares inputs for ``cp_size`` > 1.
+
+    Example:
+        ```python
+        shard = context_parallel_shard({"input_ids": ids, "labels": ids}, cp_size=2, cp_rank=1)
+        count_micro_batch(shard, "causal_lm").num_tokens      # this shard's share of the count
+        ```
+    """
+    out = dict(batch)
+    if SHIFT_LABELS_KEY not in out and torch.is_tensor(out.get(LABEL_KEY)):
+        out[SHIFT_LABELS_KEY] = F.pad(out[LABEL_KEY], (0, 1), value=ignore_index)[..., 1:].contiguous()
+    inputs = out.get("input_ids", out.get(SHIFT_LABELS_KEY))
+    if not torch.is_tensor(inputs) or inputs.dim() < 2:
+        raise GradAccDataError(f"A context-parallel shard needs per-position tensors; keys: {sorted(batch)}")
+    seq_len = inputs.shape[1]
+    if "position_ids" not in out:
+        out["position_ids"] = torch.arange(seq_len).expand(inputs.shape[0], -1)
+    index = context_parallel_indices(seq_len, cp_size, cp_rank).to(inputs.device)
+    for key, value in out.items():
+        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == seq_len:
+            out[key] = value.index_select(1, index)
+    return out
+
 
 
 def cp_size_of(accelerator: Any) -> int:

@@ -34,8 +34,9 @@ class DDPBackend(Backend):
         settings: GradAccSettings | None = None,
         *,
         multi_backward: bool = False,
+        model: torch.nn.Module | None = None,
     ) -> None:
-        super().__init__(accelerator, args, settings, multi_backward=multi_backward)
+        super().__init__(accelerator, args, settings, multi_backward=multi_backward, model=model)
         import torch.distributed as dist
 
         if getattr(args, "n_gpu", 1) > 1:
@@ -78,14 +79,14 @@ class DDPBackend(Backend):
         )
 
     def sync_context(self, *, is_last: bool) -> contextlib.AbstractContextManager:
-        if self.dp_world_size == 1 or (is_last and not self.multi_backward):
+        if self.mesh.dp_world_size == 1 or (is_last and not self.multi_backward):
             return contextlib.nullcontext()
         if self.multi_backward:
             return _local_forward_and_backward(self.accelerator, self._bound())
         return self.accelerator.no_sync(self._bound())
 
     def backward(self, loss: torch.Tensor, *, is_final: bool, retain_graph: bool = False) -> None:
-        if is_final and self.multi_backward and self.dp_world_size > 1:
+        if is_final and self.multi_backward and self.mesh.dp_world_size > 1:
             # The forward ran under no_sync, so the reducer was told not to expect this backward: re-arm it
             # (reducer.prepare_for_backward) or the final pass is silently not all-reduced. The zero term makes
             # every parameter receive a gradient in this pass, so every bucket is reduced even when the final
@@ -100,7 +101,7 @@ class DDPBackend(Backend):
             self.accelerator.backward(loss, retain_graph=retain_graph)
 
     def sync_window(self) -> None:
-        if self.dp_world_size == 1:
+        if self.mesh.dp_world_size == 1:
             return
         model = self._bound()
         # A backward pass of an exact zero through every parameter: the re-armed reducer all-reduces the gradient

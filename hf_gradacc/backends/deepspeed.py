@@ -211,8 +211,9 @@ class DeepSpeedBackend(Backend):
         settings: GradAccSettings | None = None,
         *,
         multi_backward: bool = False,
+        model: torch.nn.Module | None = None,
     ) -> None:
-        super().__init__(accelerator, args, settings, multi_backward=multi_backward)
+        super().__init__(accelerator, args, settings, multi_backward=multi_backward, model=model)
         self.zero_reduction = self.settings.zero_reduction
         self._check_process_count()
         plugin = accelerator.state.deepspeed_plugin
@@ -263,7 +264,7 @@ class DeepSpeedBackend(Backend):
         if self.sequence_parallel_size == 1:
             return super().describe()
         return (
-            f"{self.kind()}, {self.accelerator.num_processes} processes ({self.dp_world_size} data x "
+            f"{self.kind()}, {self.accelerator.num_processes} processes ({self.mesh.dp_world_size} data x "
             f"{self.sequence_parallel_size} sequence)"
         )
 
@@ -280,11 +281,7 @@ class DeepSpeedBackend(Backend):
             return 1
         return int(getattr(pc, "sp_size", None) or 1)
 
-    @property
-    def dp_world_size(self) -> int:
-        """The ranks ZeRO averages gradients over: the data ranks. Under Ulysses sequence parallelism ZeRO reduces
-        over the sequence-data-parallel group but divides by its size / ``sp_size`` (stage_1_and_2.py,
-        ``average_tensor``): the sequence shards' gradients are summed, so they are not part of the loss scale."""
+    def _legacy_dp_world_size(self) -> int:  # AUDIT (temporary)
         return self.accelerator.num_processes // self.sequence_parallel_size
 
     def _check_process_count(self) -> None:

@@ -150,8 +150,9 @@ class FSDP2Backend(Backend):
         settings: GradAccSettings | None = None,
         *,
         multi_backward: bool = False,
+        model: torch.nn.Module | None = None,
     ) -> None:
-        super().__init__(accelerator, args, settings, multi_backward=multi_backward)
+        super().__init__(accelerator, args, settings, multi_backward=multi_backward, model=model)
         self.fsdp_sync = self.settings.fsdp_sync
         self._hsdp: bool | None = None
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
-__all__ = ["LaunchedWorld", "Mesh", "check_launched_world", "mesh_from_accelerator"]
+__all__ = ["COPY_DIMS", "COUNTED_DIMS", "MESH_DIMS", "LaunchedWorld", "Mesh", "check_launched_world", "mesh_from_accelerator"]
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:
@@ -135,13 +135,41 @@ def check_launched_world(joined_world_size: int, env: Mapping[str, str] | None =
     return world
 
 
+# Mesh dimensions, in the order accelerate's ParallelismConfig / transformers' DistributedConfig name them.
+MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "cp", "sp", "ep", "pp")
+# Dimensions whose ranks hold different samples (data) or different positions of a sample (sequence): counted over.
+COUNTED_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "sp")
+# Dimensions whose ranks hold copies of the same tokens: never counted over again.
+COPY_DIMS: tuple[str, ...] = ("tp", "pp")
+
+
+def _size(sizes: Any, dim: str) -> int:
+    value = sizes.get(dim, 1) if isinstance(sizes, Mapping) else getattr(sizes, dim, 1)
+    value = 1 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GradAccConfigError(f"mesh size `{dim}` ({value!r}) must be a whole number >= 1")
+    return value
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Mesh:
-    """The run's mesh: the size of every parallel dimension, and the nodes it spans.
+    """The run's mesh: the size of every parallel dimension, the nodes it spans, and the ONE answer to which ranks
+    count, average and hold copies (asked by the counting, the backends, the checkpoints and context parallelism).
 
     Dimensions that hold different samples or different positions of a sample: ``dp_replicate``, ``dp_shard``
-    (data), ``cp``, ``sp`` (positions of a sample). Dimensions that hold copies of the same tokens: ``tp``, ``ep``,
-    ``pp``. ``world_size`` is the product of all of them.
+    (data), ``cp``, ``sp`` (positions of a sample): a counted target is counted once over them
+    (:attr:`count_group_size`). Dimensions that hold copies of the same tokens: ``tp``, ``pp`` (:attr:`copies`),
+    never counted over again; ``ep`` is a second layout of the ``dp_shard`` x ``tp`` ranks, not a dimension of its
+    own. ``world_size`` is the product of the others. Three sizes, three names:
+
+    - :attr:`data_parallel_size`: ranks holding different samples (``dp_replicate x dp_shard``): a step's samples are
+      its micro-batch rows times this (checkpoints record it; a resume re-batches by it);
+    - :attr:`count_group_size`: ranks whose counted targets add up to the step's count (data x ``cp`` x ``sp``);
+    - :attr:`dp_world_size`: ranks the backend AVERAGES gradients over; each micro-batch's summed loss is multiplied
+      by it (then divided by the global count). FSDP2 averages over ``dp_replicate x dp_shard x cp`` (accelerate's
+      ``dp_shard_cp``): the whole count group. DeepSpeed-Ulysses (``sp``) reduces over its sequence-data group but
+      divides by the data ranks only (measured with ZeRO-1/2: the ``sp`` shards' gradients are summed), so ``sp`` is
+      counted but not in the scale. Never ``tp`` or ``pp``.
 
     Example:
         ```python
@@ -173,6 +201,53 @@ class Mesh:
     def count_group_size(self) -> int:
         """Ranks whose counted targets are different targets: data x context x sequence parallel."""
         return self.data_parallel_size * self.cp * self.sp
+
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks the backend averages gradients over (the loss scale): the count group without the ``sp`` shards."""
+        return self.count_group_size // self.sp
+
+    @property
+    def copies(self) -> int:
+        """Ranks holding copies of the same tokens (``tp`` x ``pp``): their counts are never added."""
+        return self.tp * self.pp
+
+    @property
+    def count_dims(self) -> tuple[str, ...]:
+        """The mesh dimensions (of size > 1) whose ranks' counts are summed: the count group."""
+        return tuple(dim for dim in COUNTED_DIMS if getattr(self, dim) > 1)
+
+    def describe_counting(self) -> str:
+        """One line: ``"counts summed over dp_shard (2 ranks), not over 2 copies (tp, pp); loss x 2"``."""
+        dims = " x ".join(self.count_dims) or "nothing (one rank)"
+        copies = f", not over {self.copies} copies (tp, pp)" if self.copies > 1 else ""
+        return f"counts summed over {dims} ({self.count_group_size} ranks){copies}; loss x {self.dp_world_size}"
+
+    @classmethod
+    def of(cls, sizes: Any, **fields: Any) -> Mesh:
+        """The mesh of ``sizes``: any object (or mapping) with sizes ``dp_replicate``, ``dp_shard``, ``tp``, ``cp``,
+        ``sp``, ``ep``, ``pp`` (a missing or None size is 1); ``fields``: the others (``backend``, nodes).
+
+        ``ep`` must divide ``dp_shard`` x ``tp``: transformers lays the experts out over those ranks (``ep_size``
+        must divide ``fsdp_size * tp_size``), so the routed tokens come from samples the data dimensions count.
+
+        Example:
+            ```python
+            Mesh.of({"dp_replicate": 2, "dp_shard": 2}).dp_world_size          # 4: HSDP counts and averages over both
+            Mesh.of({"dp_shard": 2, "cp": 2}).count_dims                         # ('dp_shard', 'cp')
+            Mesh.of({"dp_shard": 2, "tp": 2}).count_group_size                   # 2: the tp copies are not counted
+            ```
+        """
+        dims = {dim: _size(sizes, dim) for dim in MESH_DIMS}
+        if (dims["dp_shard"] * dims["tp"]) % dims["ep"]:
+            raise GradAccConfigError(
+                f"`ep_size` ({dims['ep']}) must divide `fsdp_size` x `tp_size` ({dims['dp_shard']} x {dims['tp']}): "
+                "the experts are laid out over the data-shard and tensor ranks. Change `ep_size` in DistributedConfig."
+            )
+        world = 1
+        for dim in (*COUNTED_DIMS, *COPY_DIMS):
+            world *= dims[dim]
+        return cls(world_size=fields.pop("world_size", world), **dims, **fields)
 
     @property
     def is_hsdp(self) -> bool:

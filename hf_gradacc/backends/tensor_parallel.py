@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.utils import logging
 
-from ..counting import count_rule
 from ..errors import UnsupportedBackendError
 from ..grads import RunningGradNorm
 from .fsdp2 import FSDP2Backend, fsdp_root
@@ -94,8 +93,9 @@ class TensorParallelBackend(FSDP2Backend):
         settings: GradAccSettings | None = None,
         *,
         multi_backward: bool = False,
+        model: torch.nn.Module | None = None,
     ) -> None:
-        super().__init__(accelerator, args, settings, multi_backward=multi_backward)
+        super().__init__(accelerator, args, settings, multi_backward=multi_backward, model=model)
         self._sizes: dict[str, int] | None = None
         self._group: Any = None
 
@@ -129,7 +129,7 @@ class TensorParallelBackend(FSDP2Backend):
         import torch.distributed as dist
 
         assert self._sizes is not None
-        if not (dist.is_available() and dist.is_initialized()) or self.dp_world_size == 1:
+        if not (dist.is_available() and dist.is_initialized()) or self.mesh.dp_world_size == 1:
             return
         rank = dist.get_rank()
         for ranks in data_group_ranks(self._sizes, rank):  # every rank creates every group, in the same order
@@ -141,15 +141,15 @@ class TensorParallelBackend(FSDP2Backend):
     def _has_fsdp(self) -> bool:
         return self._sizes is not None and self._sizes["dp_replicate"] * self._sizes["dp_shard"] > 1
 
-    @property
-    def dp_world_size(self) -> int:
-        """The ranks the backend averages gradients over, and whose counts add up: the data-parallel group."""
+    def _legacy_dp_world_size(self) -> int:  # AUDIT (temporary)
+        from .mesh import Mesh as _M
+
         if self._sizes is None:
             pc = getattr(self.accelerator, "parallelism_config", None)
             sizes = {"dp_shard": int(getattr(pc, "dp_shard_size", 1) or 1),
                      "dp_replicate": int(getattr(pc, "dp_replicate_size", 1) or 1)}  # fmt: skip
-            return count_rule(sizes).loss_scale
-        return count_rule(self._sizes).loss_scale
+            return _M.of(sizes).dp_world_size
+        return _M.of(self._sizes).dp_world_size
 
     def kind(self) -> str:
         sizes = self._sizes or {}

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from transformers import TrainerCallback
 
 from ..errors import GradAccUsageError
-
-if TYPE_CHECKING:
-    from ..mixin import GradAccMixin
 
 
 class GradAccCallback(TrainerCallback):
@@ -34,9 +31,9 @@ class GradAccCallback(TrainerCallback):
         ```
     """
 
-    trainer: GradAccMixin | None = None
+    trainer: Any = None  # the GradAccMixin trainer the callback was added to
 
-    def bind(self, trainer: GradAccMixin) -> None:
+    def bind(self, trainer: Any) -> None:
         self.trainer = trainer
 
     def on_window_counted(self, args, state, control, window=None, **kwargs):
@@ -47,7 +44,7 @@ class GradAccCallback(TrainerCallback):
     def on_accumulated_grads(self, args, state, control, **kwargs):
         """The step's gradient is reduced and readable (``self.trainer.grads``), not yet clipped."""
 
-    def _require_trainer(self) -> GradAccMixin:
+    def _require_trainer(self) -> Any:
         if self.trainer is None:
             raise GradAccUsageError(
                 f"{type(self).__name__} needs a GradAccTrainer: pass it in `callbacks=[...]` or `trainer.add_callback`"

@@ -127,9 +127,9 @@ class BatchNormCallback(GradAccCallback):
         trainer = self._require_trainer()
         if not [m for _, m in batchnorm_layers(model) if m.track_running_stats]:
             return
-        num_batches = update_running_stats(model, self.precise_batches(state), prepare=trainer._prepare_inputs)
+        num_batches = update_running_stats(model, self.precise_batches(state), prepare=trainer.train_data.prepare)
         backend = getattr(trainer, "backend", None)
-        if backend is not None and backend.dp_world_size > 1:
+        if backend is not None and backend.mesh.dp_world_size > 1:
             average_running_stats(model, backend.all_gather)
         self.num_recomputed += 1
         logger.info(f"precise BatchNorm: running statistics recomputed over {num_batches} training batch(es)")
@@ -140,17 +140,8 @@ class BatchNormCallback(GradAccCallback):
         ``args.seed``, the process index and the step: the training order and the global RNG are untouched)."""
         trainer = self._require_trainer()
         args = trainer.args
-        dataset, collator = trainer.train_dataset, trainer.data_collator
-        try:
-            import datasets
-
-            is_hf_dataset = isinstance(dataset, datasets.Dataset)
-        except ImportError:
-            is_hf_dataset = False
-        if is_hf_dataset:  # the Trainer's own column handling, as for the training dataloader
-            dataset = trainer._remove_unused_columns(dataset, description="precise BatchNorm")
-        else:
-            collator = trainer._get_collator_with_removed_columns(collator, description="precise BatchNorm")
+        # the Trainer's own column handling, as for the training dataloader
+        dataset, collator = trainer.train_data.without_unused_columns("precise BatchNorm")
         sampler = None
         if not isinstance(dataset, torch.utils.data.IterableDataset):
             seed = int(args.seed) + 7919 * int(args.process_index) + int(state.global_step)

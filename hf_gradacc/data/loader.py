@@ -20,7 +20,7 @@ from .pack import AttentionCostModel, PackedCollator, WindowPackBatchSampler
 from .regroup import WindowRegroupBatchSampler, sample_lengths
 
 if TYPE_CHECKING:
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
     from ..config import GradAccSettings
 
@@ -37,6 +37,50 @@ def find_regroup_sampler(dataloader: Any) -> WindowRegroupBatchSampler | None:
     return None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainData:
+    """What the dataloader wiring takes from the Trainer: its training dataset and collator, the Trainer's own
+    handling of unused columns and of its sampler, and the run's batch size. :class:`~hf_gradacc.GradAccMixin` builds
+    it (``trainer.train_data``) from its Trainer's members; the planners below take it, never the trainer.
+
+    Attributes:
+        dataset / collator: ``train_dataset`` and ``data_collator``.
+        args / accelerator / model / processing_class: the Trainer's.
+        batch_size: rows per micro-batch on this rank (`Trainer._train_batch_size`).
+        remove_columns: `Trainer._remove_unused_columns` (a `datasets.Dataset`, with a description).
+        wrap_collator: `Trainer._get_collator_with_removed_columns` (any other dataset).
+        train_sampler: `Trainer._get_train_sampler`.
+        prepare: `Trainer._prepare_inputs` (a batch on the model's device).
+    """
+
+    dataset: Any
+    collator: Any
+    args: Any
+    accelerator: Any
+    model: Any
+    processing_class: Any
+    batch_size: int
+    remove_columns: Callable[..., Any]
+    wrap_collator: Callable[..., Any]
+    train_sampler: Callable[[Any], Any]
+    prepare: Callable[[Any], Any]
+
+    def without_unused_columns(self, description: str) -> tuple[Any, Any]:
+        """``(dataset, collator)`` as the Trainer's own dataloaders use them: a `datasets.Dataset` loses the columns
+        the model's forward does not name; any other dataset keeps them and the collator drops them."""
+        if is_hf_dataset(self.dataset):
+            return self.remove_columns(self.dataset, description=description), self.collator
+        return self.dataset, self.wrap_collator(self.collator, description=description)
+
+
+def is_hf_dataset(dataset: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(dataset, datasets.Dataset)
+
+
 def window_schedule(dataloader: Any, epoch: int) -> tuple[int, ...] | None:
     """Micro-batches per rank of each window of ``epoch`` when ``dataloader`` regroups, else None (stock)."""
     sampler = find_regroup_sampler(dataloader)
@@ -47,13 +91,14 @@ def window_schedule(dataloader: Any, epoch: int) -> tuple[int, ...] | None:
 
 
 def build_train_dataloader(
-    trainer: Trainer,
+    data: TrainData,
     settings: GradAccSettings,
     *,
     lengths_of: Callable[[Any], list[int]] | None = None,
     packing_collator: Callable | None = None,
 ) -> DataLoader | None:
-    """The training dataloader of ``trainer`` with regrouped micro-batches, or None when the stock one applies.
+    """The training dataloader of ``data`` (:class:`TrainData`) with regrouped micro-batches, or None when the stock
+    one applies.
 
     Mirrors `Trainer._get_dataloader` (collator with removed columns, workers, pinning, worker seeding) and passes
     the result through ``accelerator.prepare``, which shards it over ranks and seeds the base sampler.
@@ -65,17 +110,17 @@ def build_train_dataloader(
     micro-batch with ``pack_micro_batches`` (default :class:`~hf_gradacc.data.pack.PackedCollator`, which replaces
     the trainer's collator with a warning).
     """
-    args = trainer.args
-    if not settings.regroups or trainer.train_dataset is None:
+    args = data.args
+    if not settings.regroups or data.dataset is None:
         return None
-    dataset = trainer.train_dataset
+    dataset = data.dataset
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         logger.warning_once(
             "`regroup_micro_batches` / `max_tokens_per_micro_batch` are not applied to an IterableDataset (there is "
             "no index order to regroup): micro-batches are trained as the dataset yields them, still exactly.",
         )
         return None
-    accelerator = trainer.accelerator
+    accelerator = data.accelerator
     for flag in ("split_batches", "dispatch_batches"):
         if getattr(accelerator, flag, False):
             logger.warning_once(
@@ -94,22 +139,12 @@ def build_train_dataloader(
     if lengths_of is not None:
         lengths = lengths_of(dataset)
     else:
-        model_input_names = getattr(trainer.processing_class, "model_input_names", None) or ["input_ids"]
+        model_input_names = getattr(data.processing_class, "model_input_names", None) or ["input_ids"]
         lengths = sample_lengths(
             dataset, length_column_name=args.length_column_name, model_input_name=model_input_names[0]
         )
-    collator = trainer.data_collator
-    try:
-        import datasets
-
-        is_hf_dataset = isinstance(dataset, datasets.Dataset)
-    except ImportError:
-        is_hf_dataset = False
-    if is_hf_dataset:
-        dataset = trainer._remove_unused_columns(dataset, description="Training")
-    else:
-        collator = trainer._get_collator_with_removed_columns(collator, description="Training")
-    base_sampler = trainer._get_train_sampler(dataset)
+    dataset, collator = data.without_unused_columns("Training")
+    base_sampler = data.train_sampler(dataset)
     if base_sampler is None or isinstance(base_sampler, BatchSampler) or not hasattr(base_sampler, "__len__"):
         raise GradAccConfigError(
             f"`regroup_micro_batches` regroups the order of an index sampler; `_get_train_sampler` returned "
@@ -126,12 +161,12 @@ def build_train_dataloader(
     sampler_class = WindowPackBatchSampler if settings.pack_micro_batches else WindowRegroupBatchSampler
     packing: dict[str, Any] = {}
     if settings.pack_micro_batches:  # a dense attention kernel: pad where one packed row would cost more
-        packing["cost_model"] = AttentionCostModel.for_model(trainer.model, padded_layout=packing_collator is None)
-        collator = _packing_collator(trainer, settings, is_hf_dataset, packing_collator, packing["cost_model"])
+        packing["cost_model"] = AttentionCostModel.for_model(data.model, padded_layout=packing_collator is None)
+        collator = _packing_collator(data, settings, packing_collator, packing["cost_model"])
     batch_sampler = sampler_class(
         base_sampler,
         lengths,
-        batch_size=trainer._train_batch_size,
+        batch_size=data.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         num_processes=accelerator.num_processes,
         drop_last=args.dataloader_drop_last,
@@ -170,31 +205,26 @@ def build_train_dataloader(
 
 
 def _packing_collator(
-    trainer: Trainer,
-    settings: GradAccSettings,
-    is_hf_dataset: bool,
-    packed: Callable | None = None,
-    cost_model: AttentionCostModel | None = None,
+    data: TrainData, settings: GradAccSettings, packed: Callable | None = None, cost_model: AttentionCostModel | None = None
 ) -> Callable:
     """``packed`` (the trainer's own padding-free collator) or :class:`~hf_gradacc.data.pack.PackedCollator`, behind
     the Trainer's unused-column removal; PackedCollator comes with a warning when it replaces a collator of the
     user's: its padding has nothing left to do, but any other work it did is skipped."""
     from transformers import DataCollatorWithFlattening, DataCollatorWithPadding, default_data_collator
 
-    if packed is not None:
-        return packed if is_hf_dataset else trainer._get_collator_with_removed_columns(packed, description="Training")
-    user = trainer.data_collator
-    pads_only = isinstance(user, (PackedCollator, DataCollatorWithFlattening, DataCollatorWithPadding)) or getattr(
-        user, "only_pads", False  # a collator that declares it does nothing but pad (hf_gradacc's PaddingCollator)
-    )
-    if not pads_only and user is not default_data_collator:
-        logger.warning_once(
-            f"`pack_micro_batches=True`: micro-batches are built by hf_gradacc's PackedCollator (one padding-free row "
-            f"each), not by the given data_collator ({type(user).__name__}). If that collator did more than pad, do "
-            "that work in the dataset instead, or turn packing off."
+    if packed is None:
+        user = data.collator
+        pads_only = isinstance(user, (PackedCollator, DataCollatorWithFlattening, DataCollatorWithPadding)) or getattr(
+            user, "only_pads", False  # a collator that declares it does nothing but pad (hf_gradacc's PaddingCollator)
         )
-    packed = PackedCollator(ignore_index=settings.ignore_index, cost_model=cost_model)
-    return packed if is_hf_dataset else trainer._get_collator_with_removed_columns(packed, description="Training")
+        if not pads_only and user is not default_data_collator:
+            logger.warning_once(
+                f"`pack_micro_batches=True`: micro-batches are built by hf_gradacc's PackedCollator (one padding-free "
+                f"row each), not by the given data_collator ({type(user).__name__}). If that collator did more than "
+                "pad, do that work in the dataset instead, or turn packing off."
+            )
+        packed = PackedCollator(ignore_index=settings.ignore_index, cost_model=cost_model)
+    return packed if is_hf_dataset(data.dataset) else data.wrap_collator(packed, description="Training")
 
 
 def adjust_training_values(

@@ -218,7 +218,7 @@ def auto_problem(*, settings: Any, head: Any, backend: Any, model: Any, source: 
         return f"context parallelism (`cp_size` {cp_size}): the fused head's start-up check runs one row per rank"
     if backend.model_parallelism is not None:
         return f"the run uses {backend.model_parallelism} (the fused head needs whole tokens and a whole head)"
-    problem = fused_support_problem(model, head.type, distributed=backend.dp_world_size > 1)
+    problem = fused_support_problem(model, head.type, distributed=backend.mesh.dp_world_size > 1)
     if problem is not None:
         return problem
     base = unwrap_model(model)

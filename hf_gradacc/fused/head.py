@@ -457,7 +457,7 @@ def check_fused_setting(*, model: Any, head_type: Any, backend: Any, source: Any
             "`fused_lm_head=False`, or leave the loss to hf_gradacc's built-in one."
         )
         return
-    problem = fused_support_problem(model, head_type, distributed=backend.dp_world_size > 1)
+    problem = fused_support_problem(model, head_type, distributed=backend.mesh.dp_world_size > 1)
     if problem is not None:
         raise GradAccConfigError(f"`fused_lm_head=True` cannot run here: {problem}. Set `fused_lm_head=False`.")
 

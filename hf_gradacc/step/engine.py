@@ -187,7 +187,7 @@ class StepEngine:
     # ------------------------------------------------------------------ 1. open the step
     def open_window(self, epoch_iterator: Iterator, num_batches: int) -> Window:
         """The next optimizer step: prefetched and counted over all ranks (one collective), or streamed."""
-        host, world = self.host, self.backend.dp_world_size
+        host, world = self.host, self.backend.mesh.dp_world_size
         if self.settings.defer_normalization:
             window = Window.stream(dp_world_size=world)
         else:
@@ -407,7 +407,7 @@ class StepEngine:
                 denominator=denominator,
                 builtin=not source.custom_compute_loss,
                 label_smoothing=self.head.label_smoothing,
-                dp_world_size=self.backend.dp_world_size,
+                dp_world_size=self.backend.mesh.dp_world_size,
                 model_mean=partial(model_mean_loss, host.accelerator.unwrap_model(model), untouched),
             )
         if seen and parsed.plain is not None:

@@ -54,7 +54,7 @@ class RunPlan:
         ``gradient_accumulation_steps`` micro-batches (agreed across ranks), the schedule's lengths, and the rest of a
         resumed epoch (:meth:`resume_values`). ``samples_per_micro_batch``: the micro-batch's rows times the data
         ranks."""
-        gather = partial(_gather_on, backend, args.device) if backend.dp_world_size > 1 else None
+        gather = partial(_gather_on, backend, args.device) if backend.mesh.dp_world_size > 1 else None
         values = adjust_training_values(dataloader, args, values, gather)
         schedule = settings.accumulation_schedule
         self.batches_per_epoch = values[5] if has_length(dataloader) else None

@@ -1,10 +1,10 @@
-"""One optimizer step ("the window"): its micro-batches, their denominators (local and global), and the state of
-the step in flight (:class:`Window`).
+"""One optimizer step in flight ("the window", :class:`Window`): its micro-batches, their counts (local and over
+every rank: :class:`~hf_gradacc.counting.WindowCounts`), the micro-batch cursor and the step's flags.
 
 The window knows nothing about backends: it is handed an ``all_gather`` callable that returns one row per
-data-parallel rank, and issues exactly one such collective per optimizer step. It also holds the one
-normalisation of what ``compute_loss`` returned (:meth:`Window.normalized_terms`): each term divided by its
-denominator counted over the whole step, times the data-parallel world size.
+data-parallel rank, and issues exactly one such collective per optimizer step (:func:`~hf_gradacc.counting.gather_window_counts`).
+It also holds the one normalisation of what ``compute_loss`` returned (:meth:`Window.normalized_terms`): each term
+divided by its denominator counted over the whole step, times the data-parallel world size.
 """
 
 from __future__ import annotations
@@ -16,14 +16,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from ..counting import (  # noqa: F401  (re-exported: the counting rule's home is hf_gradacc.counting)
-    LABEL_KEY,
-    PACKED_KEY,
-    SHIFT_LABELS_KEY,
-    MicroBatchCounts,
-    count_micro_batch,
-    rows_of,
-)
+from ..counting import PACKED_KEY, MicroBatchCounts, WindowCounts, gather_window_counts, rows_of
 from ..errors import GradAccConfigError, GradAccDataError, GradAccError, GradAccLossError
 from ..loss import LossOutput, normalize
 from ..moe_balance import MoeLoadLog
@@ -31,142 +24,8 @@ from ..multimodal import check_batch_rows
 
 logger = logging.get_logger(__name__)
 
-# Order of the values in the per-rank count vector that is gathered once per window.
-_TOKENS, _SAMPLES, _INPUT_TOKENS, _SEEN_TOKENS, _POSITIONS, _MICRO_BATCHES, _FAILED = range(7)
-_FIRST_TOKENS, _FIRST_SAMPLES, _FIRST_INPUT_TOKENS = range(7, 10)  # micro-batch 0 of the rank (0 without one)
-# Micro-batches with `loss_weights`, and their weight sum: a float64 carried as its 64 bits in the int64 vector (a
-# gather moves bits unchanged; the sum over ranks is taken in float64 after it, in rank order, alike on every rank).
-_WEIGHTED, _WEIGHT_BITS = 10, 11
 # Denominator kinds of a streamed window, in the column order of its gathered count vector.
 STREAMED_KINDS: tuple[str, ...] = ("tokens", "samples", "custom")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WindowCounts:
-    """Denominators of one optimizer step: per micro-batch on this rank, and summed over the window and all ranks."""
-
-    micro_batches: tuple[MicroBatchCounts, ...]
-    global_tokens: int
-    global_samples: int
-    num_micro_batches_per_rank: tuple[int, ...]
-    global_input_tokens: int = 0
-    global_seen_tokens: int = 0
-    global_positions: int = 0
-    # Micro-batch 0 of every rank, summed over ranks: the items behind the gradient after the first micro-batch when
-    # the backend reduces every micro-batch (gradient noise scale). None for streamed windows and after a resplit.
-    global_first: MicroBatchCounts | None = None
-    # The `loss_weights` of counted targets, summed over the window and every rank (hf_gradacc.weights).
-    global_weights: float = 0.0
-    num_weighted_micro_batches: int = 0
-
-    @property
-    def weighted(self) -> bool:
-        """True when the step's micro-batches carry `loss_weights` (every one of them, on every rank)."""
-        return self.num_weighted_micro_batches > 0
-
-    @property
-    def labelled(self) -> bool:
-        """False when this rank's micro-batches carry no labels (only samples can be counted)."""
-        return all(mb.labelled for mb in self.micro_batches)
-
-    @property
-    def local_tokens(self) -> int:
-        return sum(mb.num_tokens for mb in self.micro_batches)
-
-    @property
-    def local_samples(self) -> int:
-        return sum(mb.num_samples for mb in self.micro_batches)
-
-    @property
-    def local_input_tokens(self) -> int:
-        return sum(mb.num_input_tokens for mb in self.micro_batches)
-
-    @property
-    def local_seen_tokens(self) -> int:
-        return sum(mb.num_seen_tokens for mb in self.micro_batches)
-
-    def global_count(self, denominator: str) -> int | float:
-        if denominator == "tokens":
-            return self.global_tokens
-        if denominator == "input_tokens":
-            return self.global_input_tokens
-        if denominator == "weights":
-            return self.global_weights
-        return self.global_samples
-
-    def with_micro_batches(self, micro_batches: Sequence[MicroBatchCounts]) -> WindowCounts:
-        """The same window (same samples, same global counts) cut into other micro-batches on this rank; the first
-        micro-batch is another one then, so ``global_first`` is dropped."""
-        return replace(self, micro_batches=tuple(micro_batches), global_first=None)
-
-
-def gather_window_counts(
-    micro_batches: Sequence[MicroBatchCounts],
-    all_gather: Callable[[torch.Tensor], torch.Tensor],
-    device: torch.device | str = "cpu",
-    *,
-    error: BaseException | None = None,
-) -> WindowCounts:
-    """Sum the window's counts over all ranks with ONE collective.
-
-    ``all_gather`` takes this rank's int64 vector and returns a ``(world_size, n)`` tensor (or the vector itself on a
-    single process). ``error``: this rank could not count its micro-batches; every rank learns it from the same
-    collective and raises (this rank its own error, the others one naming this rank), so no rank is left waiting.
-    """
-    local = torch.tensor(
-        [
-            sum(mb.num_tokens for mb in micro_batches),
-            sum(mb.num_samples for mb in micro_batches),
-            sum(mb.num_input_tokens for mb in micro_batches),
-            sum(mb.num_seen_tokens for mb in micro_batches),
-            sum(mb.num_positions for mb in micro_batches),
-            len(micro_batches),
-            int(error is not None),
-            *((micro_batches[0].num_tokens, micro_batches[0].num_samples, micro_batches[0].num_input_tokens)
-              if micro_batches else (0, 0, 0)),
-            sum(mb.weight_sum is not None for mb in micro_batches),
-            _float_bits(sum(mb.weight_sum or 0.0 for mb in micro_batches)),
-        ],
-        dtype=torch.int64,
-        device=device,
-    )
-    rows = all_gather(local).reshape(-1, local.numel()).cpu()
-    failed = [r for r in range(rows.shape[0]) if int(rows[r, _FAILED])]
-    if error is not None:
-        raise error
-    if failed:
-        raise GradAccDataError(
-            f"Rank(s) {failed} could not count their micro-batches of this optimizer step (see the error on those "
-            "ranks); every rank stops here rather than wait for them."
-        )
-    num_weighted = int(rows[:, _WEIGHTED].sum())
-    if 0 < num_weighted < int(rows[:, _MICRO_BATCHES].sum()):
-        raise GradAccDataError(
-            f"{num_weighted} of the {int(rows[:, _MICRO_BATCHES].sum())} micro-batches of this optimizer step (over "
-            "every rank) carry `loss_weights`, the others none: the step's denominator would mix weights and counts. "
-            "Give every sample a weight (1.0 for an unweighted one), or drop the column."
-        )
-    return WindowCounts(
-        global_weights=float(rows[:, _WEIGHT_BITS].contiguous().view(torch.float64).sum()),
-        num_weighted_micro_batches=num_weighted,
-        micro_batches=tuple(micro_batches),
-        global_tokens=int(rows[:, _TOKENS].sum()),
-        global_samples=int(rows[:, _SAMPLES].sum()),
-        num_micro_batches_per_rank=tuple(int(n) for n in rows[:, _MICRO_BATCHES]),
-        global_input_tokens=int(rows[:, _INPUT_TOKENS].sum()),
-        global_seen_tokens=int(rows[:, _SEEN_TOKENS].sum()),
-        global_positions=int(rows[:, _POSITIONS].sum()),
-        global_first=MicroBatchCounts(
-            num_tokens=int(rows[:, _FIRST_TOKENS].sum()),
-            num_samples=int(rows[:, _FIRST_SAMPLES].sum()),
-            num_input_tokens=int(rows[:, _FIRST_INPUT_TOKENS].sum()),
-        ),
-    )
-
-
-def _float_bits(value: float) -> int:
-    """The 64 bits of the float64 ``value`` as an int64 (to travel in an int64 gather unchanged)."""
-    return int(torch.tensor([value], dtype=torch.float64).view(torch.int64)[0])
 
 
 def split_micro_batches(micro_batches: Sequence[Mapping[str, Any]], max_rows: int) -> list[dict[str, Any]]:
@@ -358,16 +217,9 @@ class Window:
                         "pass: set `defer_normalization=True` (the gradient is scaled once per step), or use "
                         "normalize_by='tokens' / 'samples'."
                     )
-                if term.normalize_by == "weights" and not self.counts.weighted:
-                    raise GradAccLossError(
-                        f"LossTerm {name!r} is normalised by 'weights' but the step's batches have no `loss_weights` "
-                        "column to sum; add it to the dataset (and the data collator), or use 'tokens' / 'samples'."
-                    )
-                if term.normalize_by == "tokens" and not self.counts.labelled:
-                    raise GradAccLossError(
-                        f"LossTerm {name!r} is normalised by 'tokens' but the batch has no `labels` to count them; "
-                        "use normalize_by='samples', or have the data collator return `labels`."
-                    )
+                why = self.counts.unavailable(term.normalize_by)
+                if why is not None:
+                    raise GradAccLossError(f"LossTerm {name!r} is normalised by {term.normalize_by!r} but {why}.")
                 global_count = self.global_count(term.normalize_by)
                 if global_count == 0:
                     logger.warning_once(

@@ -92,7 +92,7 @@ def planned_train_dataloader(trainer: GradAccMixin, **planning: Any) -> Any:
     if not trainer.gradacc.regroups:
         return None
     check_train_dataset(trainer.train_dataset)
-    return build_train_dataloader(trainer, trainer.gradacc, **planning)
+    return build_train_dataloader(trainer.train_data, trainer.gradacc, **planning)
 
 
 def refuse_packed_pairs(name: str, args: Any, gradacc_args: Any) -> None:

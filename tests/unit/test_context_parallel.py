@@ -31,6 +31,7 @@ from transformers.trainer_callback import TrainerState
 
 from hf_gradacc import GradAccConfig, GradAccTrainer, LossTerm
 from hf_gradacc.backends.context_parallel import ContextParallel, check_micro_batch, context_parallel_for
+from hf_gradacc.backends.mesh import Mesh
 from hf_gradacc.backends.sharded_model import check_context_parallel
 from hf_gradacc.checkpoints import DATA_NAME, POSITION_KEY, check_data_layout, data_parallel_size
 from hf_gradacc.counting import Counter, count_micro_batch
@@ -127,7 +128,7 @@ def cp_for(trainer, **kwargs) -> ContextParallel:
 def simulate_rank(trainer, cp: int, rank: int, exchange: Exchange, *, cp_object=None) -> None:
     """Put ``trainer`` on simulated ``cp`` rank ``rank``: its ContextParallel, the Trainer's real entry with a
     context-parallel accelerator stand-in, the exchange as its count collective, FSDP2's average over ``cp`` ranks
-    (the backend's ``dp_world_size``) and no DDP sync (one process)."""
+    (the mesh's ``dp_world_size``) and no DDP sync (one process)."""
     engine = trainer.step_engine
     assert engine.cp.size == 1  # a one-process trainer: no context parallelism until simulated
     assert cp_for(trainer, size=cp, rank=rank).size == cp  # the construction-time checks and settings
@@ -150,7 +151,7 @@ def simulate_rank(trainer, cp: int, rank: int, exchange: Exchange, *, cp_object=
     backend_class = type(trainer.backend)
 
     class SimulatedFSDP2(backend_class):
-        dp_world_size = property(lambda self: cp)  # FSDP2 averages over dp_shard_cp: the cp ranks here
+        mesh = property(lambda self: Mesh.of({"cp": cp}))  # FSDP2 averages over dp_shard_cp: the cp ranks here
 
         def sync_context(self, *, is_last):
             return contextlib.nullcontext()

@@ -1,5 +1,5 @@
-"""The counting rule (hf_gradacc.counting), pure: which mesh dimensions a step's counts add up over, the loss scale,
-and a context-parallel shard's count, loss sum and gradient against the unsharded run.
+"""The counting rule, pure: which mesh dimensions a step's counts add up over and the loss scale (the mesh's answer,
+hf_gradacc.backends.mesh), and a context-parallel shard's count, loss sum and gradient against the unsharded run.
 
 Exactness is against hf_gradacc/testing/reference.py (float64, full batch, no code shared with the trainer):
 relative gradient error <= 1e-5 in float32, mixed lengths, heavy padding, masked prompts.
@@ -7,17 +7,14 @@ relative gradient error <= 1e-5 in float32, mixed lengths, heavy padding, masked
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from hf_gradacc.counting import (
-    COPY_DIMS,
-    COUNTED_DIMS,
-    context_parallel_indices,
-    context_parallel_shard,
-    count_micro_batch,
-    count_rule,
-)
+from hf_gradacc.backends.context_parallel import context_parallel_indices, context_parallel_shard
+from hf_gradacc.backends.mesh import COPY_DIMS, COUNTED_DIMS, Mesh
+from hf_gradacc.counting import count_micro_batch
 from hf_gradacc.errors import GradAccConfigError, GradAccDataError
 from hf_gradacc.heads import Head
 from hf_gradacc.testing.reference import compare, reference_gradients
@@ -42,28 +39,26 @@ RULES = [
 
 
 @pytest.mark.parametrize(("mesh", "dims", "group", "scale", "copies"), RULES, ids=[str(r[0]) for r in RULES])
-def test_count_rule_per_mesh(mesh, dims, group, scale, copies):
-    rule = count_rule(mesh)
-    assert (rule.count_dims, rule.count_group_size, rule.loss_scale, rule.copies) == (dims, group, scale, copies)
+def test_mesh_counting_per_mesh(mesh, dims, group, scale, copies):
+    rule = Mesh.of(mesh)
+    assert (rule.count_dims, rule.count_group_size, rule.dp_world_size, rule.copies) == (dims, group, scale, copies)
     assert rule.world_size == group * copies
     assert set(rule.count_dims) <= set(COUNTED_DIMS) and not set(rule.count_dims) & set(COPY_DIMS)
-    assert str(group) in rule.describe()
+    assert str(group) in rule.describe_counting()
 
 
-def test_count_rule_reads_the_backends_mesh():
-    from hf_gradacc.backends.mesh import Mesh
-
+def test_mesh_of_reads_the_backends_mesh():
     mesh = Mesh(backend="FSDP2", world_size=4, dp_shard=2, tp=2)
-    rule = count_rule(mesh)
+    rule = Mesh.of(mesh)
     assert (rule.count_group_size, rule.copies, rule.world_size) == (mesh.count_group_size, 2, mesh.world_size)
 
 
 @pytest.mark.parametrize(
     ("mesh", "field"), [({"dp_shard": 2, "tp": 1, "ep": 4}, "ep_size"), ({"tp": 0}, "tp"), ({"cp": 1.5}, "cp")]
 )
-def test_count_rule_refuses_impossible_meshes(mesh, field):
+def test_mesh_of_refuses_impossible_meshes(mesh, field):
     with pytest.raises(GradAccConfigError, match=field):
-        count_rule(mesh)
+        Mesh.of(mesh)
 
 
 # ---------------------------------------------------------------------------------------------- a simulated mesh
@@ -82,7 +77,7 @@ def _simulated_step(model, samples, task, mesh, *, rule=None, global_count=None,
     torch's to shard), tensor ranks as copies. Each rank's loss is its SUM over its positions times the rule's loss
     scale over the step's count (summed over the count group); the backend AVERAGES the ranks' gradients over the
     count group. Returns the averaged gradient and the count used."""
-    rule = rule or count_rule(mesh)
+    rule = rule or Mesh.of(mesh)
     dp = mesh.get("dp_replicate", 1) * mesh.get("dp_shard", 1)
     cp, num_micro, collate, head = mesh.get("cp", 1), 2, PaddingCollator(), Head(type=task)
     per_rank = len(samples) // dp
@@ -115,7 +110,7 @@ def _simulated_step(model, samples, task, mesh, *, rule=None, global_count=None,
             local = logits.index_select(1, index)
             shift = shard.get("shift_labels")
             total = head.sum_loss(local, shard["labels"], shift_labels=shift)
-        (total * rule.loss_scale / count / rule.count_group_size).backward()  # / group: the backend's average
+        (total * rule.dp_world_size / count / rule.count_group_size).backward()  # / group: the backend's average
     grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
     return grads, count
 
@@ -139,10 +134,9 @@ def test_simulated_mesh_step_is_the_full_batch_step(task, mesh):
     result = compare(grads, reference)
     assert result.relative_error <= TOLERANCE, result
     # Counting the tensor / pipeline copies too (the count over the whole world) is off by exactly the copies.
-    rule = count_rule(mesh)
+    rule = Mesh.of(mesh)
     if rule.copies > 1:
-        wrong = type(rule)(count_dims=rule.count_dims, count_group_size=rule.count_group_size, copies=rule.copies,
-                           loss_scale=rule.world_size, world_size=rule.world_size)  # fmt: skip
+        wrong = SimpleNamespace(count_group_size=rule.count_group_size, dp_world_size=rule.world_size)
         grads_wrong, _ = _simulated_step(model, samples, task, mesh, rule=wrong)
         ratio = compare(grads_wrong, reference).norm_ratio
         assert ratio == pytest.approx(rule.copies, rel=1e-4)

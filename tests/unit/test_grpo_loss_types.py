@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("trl")
 
 from hf_gradacc.commands.check.grpo_rows import grpo_loss_type_rows, grpo_run  # noqa: E402
-from hf_gradacc.step.window import WindowCounts  # noqa: E402
+from hf_gradacc.counting import WindowCounts  # noqa: E402
 from hf_gradacc.testing.grpo_reference import GRPO_LOSS_TYPES, GRPOLossSettings, grpo_step_reference  # noqa: E402
 from hf_gradacc.testing.grpo_steps import build_tiny_policy  # noqa: E402
 from hf_gradacc.testing.reference import compare  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 from hf_gradacc import GradAccConfig, GradientsNotReadyError, UnsupportedBackendError
 from hf_gradacc.callbacks import GradAccCallback, GradientNoiseScaleCallback, noise_scale_estimates
 from hf_gradacc.callbacks.noise_scale import _Ema
-from hf_gradacc.step.window import MicroBatchCounts, gather_window_counts
+from hf_gradacc.counting import MicroBatchCounts, gather_window_counts
 from hf_gradacc.testing.noise_scale import NoiseProblem, ScoreSumTrainer, mean_gradient_sq_norm
 
 ROOT = Path(__file__).resolve().parents[2]

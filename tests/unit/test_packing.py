@@ -13,9 +13,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccTrainer, LossTerm
+from hf_gradacc.counting import count_micro_batch
 from hf_gradacc.data import find_regroup_sampler
 from hf_gradacc.data.pack import WindowPackBatchSampler
-from hf_gradacc.step.window import count_micro_batch
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import ListDataset, ListIterableDataset, PaddingCollator, build_tiny_model, make_samples
 

@@ -155,7 +155,7 @@ def test_every_step_is_exact_for_its_own_window(tmp_path) -> None:
 
 
 def test_a_one_percent_denominator_error_fails_the_tier(tmp_path, monkeypatch) -> None:
-    from hf_gradacc.step.window import WindowCounts
+    from hf_gradacc.counting import WindowCounts
 
     counted = WindowCounts.global_count
 

@@ -206,7 +206,8 @@ def test_a_step_with_more_micro_batches_on_one_process_stops_every_process() -> 
     from types import SimpleNamespace
 
     from hf_gradacc import GradAccDataError
-    from hf_gradacc.step.window import MicroBatchCounts, Window, WindowCounts
+    from hf_gradacc.counting import MicroBatchCounts, WindowCounts
+    from hf_gradacc.step.window import Window
     from hf_gradacc.trl._common import training_window
 
     counts = WindowCounts(micro_batches=(MicroBatchCounts(num_tokens=3, num_samples=1),) * 4, global_tokens=21,

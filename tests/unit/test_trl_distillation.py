@@ -29,7 +29,7 @@ from transformers import HfArgumentParser  # noqa: E402
 from trl import DistillationConfig, DistillationTrainer  # noqa: E402
 
 from hf_gradacc import GradAccConfigError, make_exact  # noqa: E402
-from hf_gradacc.step.window import WindowCounts  # noqa: E402
+from hf_gradacc.counting import WindowCounts  # noqa: E402
 from hf_gradacc.testing.grpo_steps import build_tiny_policy, grpo_prompts, grpo_tokenizer  # noqa: E402
 from hf_gradacc.testing.one_step import one_step_args  # noqa: E402
 from hf_gradacc.testing.reference import compare  # noqa: E402

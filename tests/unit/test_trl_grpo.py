@@ -36,8 +36,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccMixin  # noqa: E402
 from hf_gradacc.compat import installed_version, trl_at_least  # noqa: E402
-from hf_gradacc.counting import Counter  # noqa: E402
-from hf_gradacc.step.window import WindowCounts  # noqa: E402
+from hf_gradacc.counting import Counter, WindowCounts  # noqa: E402
 from hf_gradacc.testing.grpo_steps import (  # noqa: E402
     GRPOStepRecorder,
     build_tiny_moe_policy,

@@ -28,7 +28,7 @@ from transformers import HfArgumentParser  # noqa: E402
 from trl import KTOConfig, KTOTrainer  # noqa: E402
 
 from hf_gradacc import GradAccConfig, GradAccConfigError, make_exact  # noqa: E402
-from hf_gradacc.step.window import WindowCounts  # noqa: E402
+from hf_gradacc.counting import WindowCounts  # noqa: E402
 from hf_gradacc.testing import trl_steps  # noqa: E402
 from hf_gradacc.testing.one_step import one_step_args  # noqa: E402
 from hf_gradacc.testing.reference import compare  # noqa: E402

@@ -26,8 +26,8 @@ pytest.importorskip("trl", minversion="1.16")
 from trl import RLOOConfig, RLOOTrainer  # noqa: E402
 
 from hf_gradacc import GradAccConfigError  # noqa: E402
+from hf_gradacc.counting import WindowCounts  # noqa: E402
 from hf_gradacc.exact import exact_class  # noqa: E402
-from hf_gradacc.step.window import WindowCounts  # noqa: E402
 from hf_gradacc.testing.grpo_steps import (  # noqa: E402
     build_tiny_policy,
     grpo_prompts,

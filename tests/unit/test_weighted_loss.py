@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hf_gradacc import GradAccConfig, GradAccDataError, GradAccLossError, GradAccTrainer, LossTerm
+from hf_gradacc.counting import MicroBatchCounts, gather_window_counts
 from hf_gradacc.errors import GradAccConfigError
-from hf_gradacc.step.window import MicroBatchCounts, gather_window_counts
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 from hf_gradacc.weights import LOSS_WEIGHTS_KEY, LossWeightsCollator, target_weight_sum, weighted_loss_sum

@@ -233,7 +233,7 @@ def train_and_measure(
         "global_step": trainer.state.global_step,
     }
     if isinstance(trainer, GradAccTrainer):
-        result["dp_world_size"] = trainer.backend.dp_world_size
+        result["dp_world_size"] = trainer.backend.mesh.dp_world_size
         result["backend"] = trainer.backend.name
         result["num_skipped_windows"] = trainer.num_skipped_windows
     if isinstance(trainer, ProbeTrainer):

@@ -84,7 +84,7 @@ def case_make_exact(trainer_class: type[Trainer], task: str) -> Callable[[], dic
         exact.update(
             is_mixin=isinstance(trainer, GradAccMixin),
             class_name=type(trainer).__name__,
-            dp_world_size=trainer.backend.dp_world_size,
+            dp_world_size=trainer.backend.mesh.dp_world_size,
             backend=trainer.backend.name,
         )
         stock, _ = train_and_measure(trainer_class, task, samples)

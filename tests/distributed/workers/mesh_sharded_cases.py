@@ -186,7 +186,7 @@ def run_case(case: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     if trainer_class is GradAccTrainer:
         result["backend"] = trainer.backend.describe()
         result["num_nonfinite_skipped"] = trainer.num_nonfinite_skipped
-        result["dp_world_size"] = trainer.backend.dp_world_size
+        result["dp_world_size"] = trainer.backend.mesh.dp_world_size
     plain = auto.from_pretrained(path, dtype=torch.float32)
     reference = reference_gradients(plain, samples, task, PaddingCollator(), micro_batches=list(unique.values()))
     result["reference_norm"] = norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in reference.values())))

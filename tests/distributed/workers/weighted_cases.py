@@ -51,7 +51,7 @@ def _step(samples: list[dict], **config) -> dict:
         "relative_error": comparison.relative_error,
         "max_abs_diff_vs_rank0": float((flat - from_rank0).abs().max()),
         "global_step": trainer.state.global_step,
-        "dp_world_size": trainer.backend.dp_world_size,
+        "dp_world_size": trainer.backend.mesh.dp_world_size,
     }
 
 
