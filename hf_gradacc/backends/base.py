@@ -138,6 +138,15 @@ class Backend:
             return tensor.unsqueeze(0)
         return self.accelerator.gather(tensor.unsqueeze(0))
 
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over EVERY process of the default group (data, sequence, tensor ranks alike), in place;
+        ``tensor`` itself on a single process. For verdicts every rank must share (a non-finite step)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
     def sync_context(self, *, is_last: bool) -> contextlib.AbstractContextManager:
         """Context for one micro-batch's forward and backward passes; ``is_last``: the window's last micro-batch."""
         return contextlib.nullcontext()

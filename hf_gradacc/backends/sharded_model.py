@@ -172,3 +172,17 @@ def check_context_parallel(parallelism_config: Any, *, distributed_type: Any = N
             f"`parallelism_config.cp_size` ({size}) is not supported by GradAccTrainer here: {why}. Or set "
             "`parallelism_config_cp_size: 1` (`ParallelismConfig(cp_size=1)`)."
         )
+
+
+def holds_whole_parameters(model: torch.nn.Module) -> bool:
+    """True when every parameter of ``model`` is a plain local tensor with data: not on the meta device, not a DTensor
+    shard (FSDP2, tensor parallelism), not a DeepSpeed ZeRO-3 partition. A forward pass on one rank then needs no
+    collective (the packing probe, :func:`hf_gradacc.data.pack_check.check_packing_support`, runs one)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed support has no shards
+        DTensor = ()  # noqa: N806
+    for param in model.parameters():
+        if param.is_meta or hasattr(param, "ds_id") or isinstance(param, DTensor) or isinstance(param.data, DTensor):
+            return False
+    return True

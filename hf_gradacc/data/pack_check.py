@@ -19,6 +19,7 @@ import inspect
 
 import torch
 
+from ..backends.sharded_model import holds_whole_parameters
 from ..errors import GradAccConfigError
 from .attention_cost import _unwrap
 from .pack import PackedCollator
@@ -52,19 +53,6 @@ _PROBE_RTOL_HALF = (2e-3, 5e-2)
 
 
 # ---------------------------------------------------------------------------------------------- the model
-def _can_probe(model: torch.nn.Module) -> bool:
-    """True when every parameter is a plain local tensor with data: not on the meta device, not a DTensor shard
-    (FSDP2), not a DeepSpeed ZeRO-3 partition. A forward pass on one rank then needs no collective."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without distributed support has no shards
-        DTensor = ()  # noqa: N806
-    for param in model.parameters():
-        if param.is_meta or hasattr(param, "ds_id") or isinstance(param, DTensor) or isinstance(param.data, DTensor):
-            return False
-    return True
-
-
 def _probe_packing(model: torch.nn.Module) -> None:
     """Run two packed rows ``[a, c]`` and ``[b, c]`` (``a`` and ``b`` differ) and ``c`` alone: a model that keeps the
     samples apart gives ``c`` the same logits in all three. Raises :class:`GradAccConfigError` otherwise."""
@@ -184,7 +172,7 @@ def check_packing_support(model: torch.nn.Module, *, probe: bool = True) -> None
         )
     if not probe:
         return
-    if _can_probe(base):
+    if holds_whole_parameters(base):
         _probe_packing(base)
         return
     model_type = getattr(config, "model_type", None)

@@ -520,7 +520,7 @@ class StepEngine:
             # one verdict on every rank, AFTER the hooks and callbacks: a NaN they wrote on one rank drops the step
             skip = must_skip(
                 policy, grad_norm, step=step, rank=host.args.process_index, losses=window.losses,
-                hooks_nonfinite=hooks_nonfinite,
+                agree=backend.sum_over_processes, hooks_nonfinite=hooks_nonfinite,
             )
             if skip:
                 self.num_nonfinite_skipped += 1

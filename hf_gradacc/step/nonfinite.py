@@ -13,6 +13,7 @@ every rank, ``raise`` stops every rank, ``propagate`` takes the step as the stoc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from transformers.utils import logging
@@ -46,31 +47,38 @@ def describe(step: int, rank: int, bad: list[int], grad_norm: float) -> str:
     return f"Optimizer step {step}: {where}"
 
 
-def agreed_nonfinite(grad_norm: torch.Tensor | float, hooks_nonfinite: torch.Tensor | None = None) -> tuple[bool, bool]:
+def agreed_nonfinite(
+    grad_norm: torch.Tensor | float, hooks_nonfinite: torch.Tensor | None = None, *, agree: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[bool, bool]:
     """(non-finite on any rank, on this rank): this rank's verdict is its norm, or a non-finite value an
-    accumulated-gradient hook left (``hooks_nonfinite``); one scalar all-reduce of that flag over the default process
-    group (none on a single process)."""
-    import torch.distributed as dist
-
+    accumulated-gradient hook left (``hooks_nonfinite``); ``agree`` sums that flag over every rank (the backend's
+    :meth:`~hf_gradacc.backends.Backend.sum_over_processes`: one scalar all-reduce, none on a single process)."""
     norm = torch.as_tensor(grad_norm).detach().reshape(-1)[:1]
     flag = ~torch.isfinite(norm)
     if hooks_nonfinite is not None:
         flag = flag | hooks_nonfinite.to(flag.device).reshape(1)
     flag = flag.to(torch.float32)
     local = bool(flag.item())
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag)  # SUM of flags: never loses a NaN the way a MAX of norms can
-    return bool(flag.item()), local
+    summed = agree(flag)  # a SUM of flags: never loses a NaN the way a MAX of norms can
+    return bool(summed.item()), local
 
 
-def must_skip(policy: str, grad_norm: torch.Tensor | float, *, step: int, rank: int, losses: list[torch.Tensor],
-              hooks_nonfinite: torch.Tensor | None = None) -> bool:  # fmt: skip
+def must_skip(
+    policy: str,
+    grad_norm: torch.Tensor | float,
+    *,
+    step: int,
+    rank: int,
+    losses: list[torch.Tensor],
+    agree: Callable[[torch.Tensor], torch.Tensor],
+    hooks_nonfinite: torch.Tensor | None = None,
+) -> bool:
     """True when the step must be dropped (``skip``: a warning names the step, this rank and its non-finite
     micro-batches), after raising :class:`~hf_gradacc.NonFiniteStepError` for ``raise``; False to take the step. The
     verdict is the same on every rank (:func:`agreed_nonfinite`)."""
     if policy == "propagate":
         return False
-    anywhere, here = agreed_nonfinite(grad_norm, hooks_nonfinite)
+    anywhere, here = agreed_nonfinite(grad_norm, hooks_nonfinite, agree=agree)
     if not anywhere:
         return False
     norm = float(grad_norm)

@@ -1,6 +1,17 @@
-"""The package layout is the architecture: the core never reaches into the tooling (commands/, testing/), only
-backends/ names DDP / DeepSpeed / FSDP2, and the imports of the whole package (commands/ and testing/ included)
-form no cycle, neither at import time nor counting the imports inside functions that run at command time."""
+"""The package layout is the architecture, checked on the code's own imports and names (AST), not on strings:
+
+- the core never reaches into the tooling (commands/, testing/);
+- only backends/ (and the opt-in patches/) knows the distributed libraries: it alone imports DeepSpeed, torch's FSDP
+  and DTensor, names their wrapper classes, or calls torch.distributed's collectives;
+- the imports of the whole package (commands/ and testing/ included) form no cycle, neither at import time, nor
+  counting the imports inside functions that run at command time, nor counting type-only imports;
+- one optimizer step has one owner: no module outside it (hf_gradacc/step/engine.py, step/host.py) and the Trainer
+  adapter (mixin.py) reads or writes a trainer's private attribute, and no function outside them and the public edges
+  that take a user's trainer (``tests/layout_metrics.py``: ``TRAINER_EDGES``) takes a trainer;
+- one formatter owns the layout (``ruff format``): hand-aligned ``# fmt: skip`` lines and lines over 119 characters
+  are counted and capped.
+
+Files are sized by concern: there is no line cap. ``python tests/layout_metrics.py`` prints every measure."""
 
 from __future__ import annotations
 
@@ -83,16 +94,80 @@ def test_the_core_does_not_import_the_tooling(name: str) -> None:
     assert not bad, f"{name} imports {bad}"
 
 
-def test_only_backends_name_the_distributed_libraries() -> None:
-    offenders = []
-    for name, path in MODULES.items():
-        if _part(name) in ("backends", "patches", *TOOLING):
-            continue
-        text = path.read_text()
-        for word in ("import deepspeed", "from deepspeed", "fully_shard", "DistributedDataParallel("):
-            if word in text:
-                offenders.append((name, word))
+# What only backends/ may know: the distributed libraries' modules, their wrapper classes, torch's collectives.
+DISTRIBUTED_MODULES = ("deepspeed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.nn.parallel")
+DISTRIBUTED_NAMES = {"DistributedDataParallel", "DeepSpeedEngine", "FSDPModule", "FullyShardedDataParallel",
+                     "DTensor", "fully_shard", "_get_ddp_logging_data", "reducer"}
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
+               "reduce_scatter", "new_group", "all_to_all", "gather_object"}
+BACKEND_PARTS = ("backends", "patches", *TOOLING)
+
+
+def _is_torch_distributed(node: ast.expr) -> bool:
+    """``dist`` / ``torch.distributed`` (how the package names torch's collectives module), not a backend object."""
+    text = ast.unparse(node)
+    return text in ("dist", "torch.distributed") or text.endswith(".distributed")
+
+
+def _backend_knowledge(path: Path) -> list[str]:
+    """What ``path`` knows of the distributed libraries: imports, wrapper-class names (code or strings), collectives."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith(DISTRIBUTED_MODULES):
+            found.append(f"{node.lineno}: from {node.module}")
+        elif isinstance(node, ast.Import) and any(a.name.startswith(DISTRIBUTED_MODULES) for a in node.names):
+            found.append(f"{node.lineno}: import {node.names[0].name}")
+        elif isinstance(node, ast.Name) and node.id in DISTRIBUTED_NAMES:
+            found.append(f"{node.lineno}: {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in DISTRIBUTED_NAMES:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and _is_torch_distributed(node.value):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in DISTRIBUTED_NAMES:
+            found.append(f"{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_only_backends_know_the_distributed_libraries() -> None:
+    offenders = {
+        name: found
+        for name, path in MODULES.items()
+        if _part(name) not in BACKEND_PARTS and (found := _backend_knowledge(path))
+    }
     assert not offenders, offenders
+
+
+def test_the_backend_knowledge_scan_sees_each_kind(tmp_path: Path) -> None:
+    path = tmp_path / "module.py"
+    path.write_text(
+        "import deepspeed\nfrom torch.distributed.tensor import DTensor\nimport torch.distributed as dist\n"
+        "def f(m, backend):\n    dist.all_reduce(m)\n    backend.all_gather(m)\n"
+        "    return type(m).__name__ in {'DeepSpeedEngine'}\n"
+    )
+    found = " ".join(_backend_knowledge(path))
+    assert "backend.all_gather" not in found  # the backend's own collective is the way through
+    for word in ("deepspeed", "torch.distributed.tensor", "dist.all_reduce", "'DeepSpeedEngine'"):
+        assert word in found, (word, found)
+
+
+def test_one_owner_of_the_step() -> None:
+    """No private trainer attribute outside the step's owner and the mixin; no trainer parameter outside them and the
+    public edges."""
+    from tests.layout_metrics import functions_taking_a_trainer, private_trainer_accesses
+
+    assert private_trainer_accesses() == {}
+    assert functions_taking_a_trainer() == {}
+
+
+def test_one_formatter_owns_the_layout() -> None:
+    from tests.layout_metrics import fmt_skip_lines, long_lines
+
+    assert len(fmt_skip_lines()) <= MAX_FMT_SKIP, fmt_skip_lines()
+    assert len(long_lines()) <= MAX_LONG_LINES, long_lines()
+
+
+MAX_FMT_SKIP = 20
+MAX_LONG_LINES = 10
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -142,6 +217,13 @@ def test_no_import_cycle_at_run_time() -> None:
     reached lazily must not import its caller back). Only ``if TYPE_CHECKING:`` imports are left out."""
     cycle = _find_cycle(_graph(top_level_only=False))
     assert cycle is None, f"import cycle (counting the imports inside functions): {' -> '.join(cycle)}"
+
+
+def test_no_import_cycle_counting_type_only_imports() -> None:
+    """``if TYPE_CHECKING:`` imports run under a type checker and in the reader's head: with them, still no cycle."""
+    from tests.layout_metrics import modules_in_circles
+
+    assert modules_in_circles(type_checking=True) == []
 
 
 def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path: Path) -> None:
