@@ -63,10 +63,12 @@ def open_window(trainer: GradAccMixin, epoch_iterator: Iterator, num_batches: in
 
 def skip_window(trainer: GradAccMixin, window: Window) -> None:
     trainer.num_skipped_windows += 1
+    why = f"every label is {trainer.head.ignore_index}"
+    if trainer.primary_denominator == "weights" and window.counts.global_tokens > 0:
+        why = f"every `loss_weights` of its {window.counts.global_tokens} counted targets is 0"
     logger.warning(
         f"Optimizer step {trainer.state.global_step + 1} has no counted {trainer.primary_denominator} on any rank "
-        f"(every label is {trainer.head.ignore_index}): skipped, parameters unchanged ({trainer.num_skipped_windows} "
-        "skipped so far)."
+        f"({why}): skipped, parameters unchanged ({trainer.num_skipped_windows} skipped so far)."
     )
 
 def train_window(trainer: GradAccMixin, model: nn.Module, window: Window, epoch_iterator: Iterator, num_batches: int) -> Any:
