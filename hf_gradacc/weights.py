@@ -27,15 +27,33 @@ LOSS_WEIGHTS_KEY = "loss_weights"
 WEIGHTS = "weights"  # the denominator: the sum of the weights of counted targets over the step and every rank
 
 
-def check_weights(weights: Any, labels: torch.Tensor, *, sample_level: bool) -> torch.Tensor:
+def _head_name(head_type: str, problem_type: str | None = None) -> str:
+    """The head family as a user reads it in an error: ``"regression"``, ``"multi-label classification"``,
+    ``"sequence classification"``, ``"causal lm"``."""
+    if head_type in SAMPLE_LEVEL_HEADS and problem_type in ("regression", "multi_label_classification"):
+        return "regression" if problem_type == "regression" else "multi-label classification"
+    return head_type.replace("_", " ")
+
+
+def check_weights(weights: Any, labels: torch.Tensor, *, sample_level: bool, counted: torch.Tensor | None = None,
+                  head: str | None = None) -> torch.Tensor:  # fmt: skip
     """``weights`` as a float tensor of shape ``labels.shape`` (per token) or ``[batch]`` (per sample), or a
-    :class:`~hf_gradacc.GradAccDataError` naming ``loss_weights``: wrong shape, bool, NaN / Inf, or negative.
+    :class:`~hf_gradacc.GradAccDataError` naming ``loss_weights``: wrong shape (per-token weights for a ``head`` with
+    one target per sample included), bool, or, where ``counted`` (a mask of the weights' shape; everywhere without
+    it) is True, NaN / Inf or negative. A weight that weighs no counted target is never read, so never refused.
 
     Example:
         ```python
         check_weights(torch.tensor([1.0, 0.5]), torch.tensor([[-100, 5], [6, 7]]), sample_level=False)
         ```
     """
+    weights = _shaped_weights(weights, labels, sample_level=sample_level, head=head)
+    _check_values(weights, torch.ones_like(weights, dtype=torch.bool) if counted is None else counted)
+    return weights
+
+
+def _shaped_weights(weights: Any, labels: torch.Tensor, *, sample_level: bool, head: str | None = None) -> torch.Tensor:
+    """``weights`` as a float tensor of shape ``labels.shape`` or ``[batch]``; its values are not looked at."""
     if not torch.is_tensor(weights):
         raise GradAccDataError(
             f"`{LOSS_WEIGHTS_KEY}` must be a tensor (the data collator's), got {type(weights).__name__}"
@@ -45,22 +63,37 @@ def check_weights(weights: Any, labels: torch.Tensor, *, sample_level: bool) -> 
     rows = labels.shape[0] if labels.dim() > 0 else 1
     if tuple(weights.shape) in ((rows,), (rows, 1) if sample_level else (rows,)):
         weights = weights.reshape(rows)  # per sample
-    elif sample_level or tuple(weights.shape) != tuple(labels.shape):
-        want = f"[{rows}] (one per sample)" + ("" if sample_level else f" or {list(labels.shape)} (one per label)")
+    elif sample_level:
+        raise GradAccDataError(
+            f"`{LOSS_WEIGHTS_KEY}` has shape {list(weights.shape)}, but a {head or 'sample-level'} head's loss has one "
+            f"target per sample (`labels` have shape {list(labels.shape)}): per-token weights cannot weigh it. Give "
+            f"`{LOSS_WEIGHTS_KEY}` of shape [{rows}] (one per sample): a number per sample in the dataset."
+        )
+    elif tuple(weights.shape) != tuple(labels.shape):
         raise GradAccDataError(
             f"`{LOSS_WEIGHTS_KEY}` has shape {list(weights.shape)}; `labels` have shape {list(labels.shape)}, so it "
-            f"must be {want}. Pad per-token weights like the labels in the data collator."
+            f"must be [{rows}] (one per sample) or {list(labels.shape)} (one per label). Pad per-token weights like "
+            "the labels in the data collator (hf_gradacc.weights.LossWeightsCollator)."
         )
     weights = weights.detach().to(torch.float64 if weights.dtype == torch.float64 else torch.float32)
-    if not bool(torch.isfinite(weights).all()):
-        raise GradAccDataError(f"`{LOSS_WEIGHTS_KEY}` holds NaN or Inf; every weight must be a finite number >= 0.")
-    if bool((weights < 0).any()):
-        where = (weights < 0).nonzero()[0].tolist()
-        raise GradAccDataError(
-            f"`{LOSS_WEIGHTS_KEY}` holds a negative weight ({float(weights[tuple(where)]):g} at index {where}); every "
-            "weight must be >= 0 (the step's denominator is their sum). Fix the dataset's weights column."
-        )
     return weights
+
+
+def _check_values(weights: torch.Tensor, counted: torch.Tensor, *, offset: int = 0) -> None:
+    """A :class:`~hf_gradacc.GradAccDataError` for the first NaN / Inf or negative weight where ``counted`` is True,
+    naming its index (its last coordinate plus ``offset``: the causal shift, so that the index is the user's)."""
+    counted = counted.to(weights.device)
+    for bad, what in ((counted & ~torch.isfinite(weights), "a NaN or Inf"), (counted & (weights < 0), "a negative")):
+        if bool(bad.any()):
+            where = bad.nonzero()[0].tolist()
+            value = float(weights[tuple(where)])
+            if offset and len(where) > 1:
+                where[-1] += offset
+            raise GradAccDataError(
+                f"`{LOSS_WEIGHTS_KEY}` holds {what} weight ({value:g} at index {where}, row {where[0]}) on a counted "
+                "target; every weight of a counted target must be a finite number >= 0 (the step's denominator is "
+                "their sum; weights of ignored labels and padding are not read). Fix the dataset's weights column."
+            )
 
 
 def target_weights(
@@ -73,7 +106,8 @@ def target_weights(
     problem_type: ProblemType | str | None = None,
 ) -> torch.Tensor:
     """The weight of every target the head's loss sums over, in the layout of its per-target losses (causal LM:
-    aligned with the shifted targets; sequence-level heads: one per row), zero where the target is not counted.
+    aligned with the shifted targets; sequence-level heads: one per row), an exact zero where the target is not
+    counted (whatever the weight given there, NaN included: it is neither validated nor read).
 
     Example:
         ```python
@@ -82,8 +116,10 @@ def target_weights(
         ```
     """
     sample_level = head_type in SAMPLE_LEVEL_HEADS
+    head = _head_name(head_type, problem_type)
+    offset = 0
     if head_type == "causal_lm" and shift_labels is not None:
-        weights = check_weights(weights, shift_labels, sample_level=False)
+        weights = _shaped_weights(weights, shift_labels, sample_level=False, head=head)  # values: where counted, below
         if weights.dim() > 1:
             raise GradAccConfigError(
                 f"Per-token `{LOSS_WEIGHTS_KEY}` with `shift_labels` in the batch: it cannot be told whether they are "
@@ -91,19 +127,24 @@ def target_weights(
             )
         targets = shift_labels
     else:
-        weights = check_weights(weights, labels, sample_level=sample_level)
+        weights = _shaped_weights(weights, labels, sample_level=sample_level, head=head)
         targets = causal_targets(labels, ignore_index) if head_type == "causal_lm" else labels
         if head_type == "causal_lm" and weights.dim() > 1:
-            weights = F.pad(weights[..., 1:], (0, 1))  # the target of position i is labels[i + 1]: so is its weight
+            weights, offset = F.pad(weights[..., 1:], (0, 1)), 1  # the target of position i is labels[i + 1]: so is its weight
     if sample_level:
         if problem_type in (None, "single_label_classification") and not targets.is_floating_point():
             counted = targets.reshape(weights.shape[0], -1)[:, 0] != ignore_index
         else:
             counted = torch.ones_like(weights, dtype=torch.bool)
-        return weights * counted.to(weights.device)
-    if weights.dim() == 1:
-        weights = weights.reshape(-1, *([1] * (targets.dim() - 1))).expand(targets.shape)
-    return weights * (targets != ignore_index).to(weights.device)
+    else:
+        counted = targets != ignore_index
+        if weights.dim() == 1:  # per sample: a row's weight is read when the row has a counted target
+            _check_values(weights, counted.reshape(weights.shape[0], -1).any(-1))
+            weights = weights.reshape(-1, *([1] * (targets.dim() - 1))).expand(targets.shape)
+    counted = counted.to(weights.device)
+    _check_values(weights, counted, offset=offset)
+    # where, not a product: a NaN weight on an uncounted target must not make its product (and the loss) NaN
+    return torch.where(counted, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
 
 
 def target_weight_sum(batch: Mapping[str, Any], head_type: str, *, ignore_index: int = IGNORE_INDEX,
@@ -199,6 +240,11 @@ class LossWeightsCollator:
     """Wraps a data collator so that a ``loss_weights`` column travels with the batch: per-sample numbers stacked into
     ``[batch]``, per-token lists right-padded with 0 to the batch's ``labels`` width (padding is never counted).
 
+    A per-token list must be as long as its sample's ``labels`` (its ``input_ids`` when the sample has no labels and
+    the collator makes them), and the batch's labels must be per token: a list of another length, per-token weights
+    beside one label per sample (sequence classification, regression, multi-label), and a micro-batch mixing numbers
+    and lists are refused with a :class:`~hf_gradacc.GradAccDataError` naming the row.
+
     Args:
         collator: the collator of everything else (it never sees ``loss_weights``).
 
@@ -221,18 +267,73 @@ class LossWeightsCollator:
     def __call__(self, samples: Any) -> dict[str, Any]:
         samples = [dict(s) for s in samples]
         given = [s.pop(LOSS_WEIGHTS_KEY, None) for s in samples]
+        lengths = [_label_length(s) for s in samples]  # before the collator, which may change the samples
         batch = self.collator(samples)
         if all(w is None for w in given):
             return batch
         if any(w is None for w in given):
             raise GradAccDataError(f"Some samples of a micro-batch have `{LOSS_WEIGHTS_KEY}` and some do not.")
-        values = [w.tolist() if torch.is_tensor(w) else w for w in given]
-        if all(isinstance(v, (int, float)) for v in values):
-            batch[LOSS_WEIGHTS_KEY] = torch.tensor([float(v) for v in values], dtype=torch.float32)
+        values = [_weight_values(w, row) for row, w in enumerate(given)]
+        lists = [row for row, v in enumerate(values) if isinstance(v, list)]
+        if not lists:
+            batch[LOSS_WEIGHTS_KEY] = torch.tensor(values, dtype=torch.float32)
             return batch
-        width = batch["labels"].shape[-1] if torch.is_tensor(batch.get("labels")) else max(len(v) for v in values)
+        if len(lists) < len(values):
+            number = next(row for row, v in enumerate(values) if not isinstance(v, list))
+            raise GradAccDataError(
+                f"Sample {lists[0]} of the micro-batch has a list of {len(values[lists[0]])} `{LOSS_WEIGHTS_KEY}` (per "
+                f"token) and sample {number} one number (per sample): give every sample the same kind of weights."
+            )
+        labels = batch.get("labels")
+        if torch.is_tensor(labels) and (labels.dim() < 2 or labels.is_floating_point()):
+            raise GradAccDataError(
+                f"Sample {lists[0]} of the micro-batch has a list of {len(values[lists[0]])} `{LOSS_WEIGHTS_KEY}` (per "
+                f"token), but the batch's `labels` (shape {list(labels.shape)}, dtype {labels.dtype}) hold one label "
+                "per sample (sequence classification, regression, multi-label): such a head takes one weight per "
+                f"sample. Give each sample one number as its `{LOSS_WEIGHTS_KEY}`."
+            )
+        width = labels.shape[-1] if torch.is_tensor(labels) else max(len(v) for v in values)
+        for row, v in enumerate(values):
+            if lengths[row] is not None and len(v) != lengths[row][1]:
+                name, length = lengths[row]
+                raise GradAccDataError(
+                    f"Sample {row} of the micro-batch has {len(v)} `{LOSS_WEIGHTS_KEY}` for {length} `{name}`: "
+                    f"per-token weights need one weight per label (`{LOSS_WEIGHTS_KEY}[j]` weighs `labels[j]`). "
+                    "Give the sample's weights the length of its labels in the dataset."
+                )
+            if len(v) > width:
+                raise GradAccDataError(
+                    f"Sample {row} of the micro-batch has {len(v)} `{LOSS_WEIGHTS_KEY}`, but the collated `labels` are "
+                    f"{width} wide (the collator cut the row): cut the weights with the labels in the dataset."
+                )
         padded = torch.zeros((len(values), width), dtype=torch.float32)
         for row, v in enumerate(values):
             padded[row, : len(v)] = torch.tensor(v, dtype=torch.float32)
         batch[LOSS_WEIGHTS_KEY] = padded
         return batch
+
+
+def _label_length(sample: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The key and length of the sequence a sample's per-token weights must match: its ``labels``, else (the
+    collator makes the labels) its ``input_ids``; None when neither is a sequence."""
+    for name in ("labels", "input_ids"):
+        value = sample.get(name)
+        if value is None:
+            continue
+        if torch.is_tensor(value) or hasattr(value, "ndim"):  # a torch / numpy array
+            return (name, int(value.shape[0])) if value.ndim == 1 else None
+        return (name, len(value)) if isinstance(value, (list, tuple)) else None
+    return None
+
+
+def _weight_values(weights: Any, row: int) -> float | list[float]:
+    """A sample's ``loss_weights`` as a float (per sample) or a list of floats (per token)."""
+    value = weights.tolist() if hasattr(weights, "tolist") else weights  # torch / numpy: numbers or lists
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(x, (int, float)) for x in value):
+        return [float(x) for x in value]
+    raise GradAccDataError(
+        f"Sample {row} of the micro-batch has `{LOSS_WEIGHTS_KEY}` {str(value)[:60]} ({type(weights).__name__}): give "
+        "one number per sample, or a flat list of numbers (one per label) per token."
+    )

@@ -208,14 +208,12 @@ class StepEngine:
     def close_window(self) -> None:
         self.window = None
 
-    def skip_window(self) -> None:
+    def skip_window(self, window: Window) -> None:
         self.num_skipped_windows += 1
         denominator = self.primary_denominator
-        why = (
-            "every counted target's `loss_weights` is 0"
-            if denominator == "weights"
-            else f"every label is {self.head.ignore_index}"
-        )
+        why = f"every label is {self.head.ignore_index}"
+        if denominator == "weights" and window.counts.global_tokens > 0:
+            why = f"every `loss_weights` of its {window.counts.global_tokens} counted targets is 0"
         logger.warning(
             f"Optimizer step {self.host.state.global_step + 1} has no counted {denominator} on any rank ({why}): "
             f"skipped, parameters unchanged ({self.num_skipped_windows} skipped so far)."
@@ -239,7 +237,7 @@ class StepEngine:
                     "accelerate's `even_batches=True` (the default), or give every rank the same number of batches."
                 )
             if window.global_count(self.primary_denominator) == 0:
-                self.skip_window()
+                self.skip_window(window)
                 return None
         self.events.fire("on_step_begin")
         window.routing = self.step_routing(model, window)  # router_balance="global_batch": the routing pre-pass
@@ -255,7 +253,7 @@ class StepEngine:
             backend.sync_window()
             if global_count == 0:
                 backend.zero_grad()
-                self.skip_window()
+                self.skip_window(window)
                 return None
             backend.scale_grads(1.0 / global_count)
             total = total / global_count
