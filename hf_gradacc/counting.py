@@ -26,7 +26,7 @@ import torch
 from transformers.utils import logging
 
 from .errors import GradAccDataError
-from .loss import IGNORE_INDEX, SAMPLE_LEVEL_HEADS, HeadType, token_count
+from .loss import IGNORE_INDEX, SAMPLE_LEVEL_HEADS, HeadType, counted_targets
 from .weights import target_weight_sum
 
 logger = logging.get_logger(__name__)
@@ -114,34 +114,26 @@ def count_micro_batch(
             "denominator of the step. Have the data collator return `labels`, set `label_names` if your labels "
             "use another key, or override `compute_loss` and return an `hf_gradacc.LossTerm`."
         )
-    if SHIFT_LABELS_KEY in batch and head_type == "causal_lm":
-        targets = batch[SHIFT_LABELS_KEY]
-    else:
-        targets = labels
-    if not torch.is_tensor(targets):
-        raise GradAccDataError(f"`{LABEL_KEY}` must be a tensor, got {type(targets).__name__}")
-
-    if head_type in SAMPLE_LEVEL_HEADS:
-        rows = targets.shape[0] if targets.dim() > 0 else 1
-        if problem_type in (None, "single_label_classification") and not targets.is_floating_point():
-            num_samples = int(token_count(targets.reshape(rows, -1)[:, 0], ignore_index))
-        else:
-            num_samples = rows
-        weighted = target_weight_sum(batch, head_type, ignore_index=ignore_index, problem_type=problem_type)
-        return MicroBatchCounts(num_tokens=num_samples, num_samples=num_samples, weight_sum=weighted)
-
-    if targets.is_floating_point() or targets.dtype == torch.bool:
+    shift_labels = batch.get(SHIFT_LABELS_KEY) if head_type == "causal_lm" else None
+    given = shift_labels if shift_labels is not None else labels
+    if not torch.is_tensor(given):
+        raise GradAccDataError(f"`{LABEL_KEY}` must be a tensor, got {type(given).__name__}")
+    sample_level = head_type in SAMPLE_LEVEL_HEADS
+    if not sample_level and (given.is_floating_point() or given.dtype == torch.bool):
         raise GradAccDataError(
-            f"`{LABEL_KEY}` of a {head_type} model must hold integer class ids, got dtype {targets.dtype}. "
+            f"`{LABEL_KEY}` of a {head_type} model must hold integer class ids, got dtype {given.dtype}. "
             "Cast them to torch.long in the data collator, or set `head_type` if the model is not a "
             f"{head_type} model."
         )
-    if head_type == "causal_lm" and SHIFT_LABELS_KEY not in batch:
-        targets = targets[..., 1:]
+    targets, counted = counted_targets(
+        labels, head_type, ignore_index=ignore_index, shift_labels=shift_labels, problem_type=problem_type
+    )
+    num_tokens = int(counted.sum())
+    weighted = target_weight_sum(batch, head_type, ignore_index=ignore_index, problem_type=problem_type)
+    if sample_level:
+        return MicroBatchCounts(num_tokens=num_tokens, num_samples=num_tokens, weight_sum=weighted)
     num_samples = rows_of(batch) if PACKED_KEY in batch else targets.shape[0] if targets.dim() > 1 else 1
-    weighted = target_weight_sum(batch, head_type, ignore_index=ignore_index)
-    return MicroBatchCounts(num_tokens=int(token_count(targets, ignore_index)), num_samples=num_samples,
-                            weight_sum=weighted)  # fmt: skip
+    return MicroBatchCounts(num_tokens=num_tokens, num_samples=num_samples, weight_sum=weighted)
 
 
 def rows_of(batch: Mapping[str, Any]) -> int:

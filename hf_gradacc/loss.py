@@ -119,6 +119,41 @@ def causal_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> to
     return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
 
 
+def counted_targets(
+    labels: torch.Tensor | None,
+    head_type: str,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    shift_labels: torch.Tensor | None = None,
+    problem_type: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(targets, counted)``: the targets the head's loss sums over, in the layout of its per-target losses, and
+    which of them count. The one rule, asked by what a micro-batch counts (:mod:`hf_gradacc.counting`) and by what its
+    weights weigh (:mod:`hf_gradacc.weights`):
+
+    - causal LM: ``shift_labels`` as given when the batch has them (a context-parallel shard's last target lives on
+      the next shard), else ``labels`` shifted (position ``i`` predicts ``labels[i + 1]``, the last one nothing);
+    - sequence-level heads: one target per row; single-label integer rows count unless labelled ``ignore_index``,
+      every other row counts (regression, multi-label);
+    - the other token heads: ``labels``; a target counts unless it is ``ignore_index``.
+
+    Example:
+        ```python
+        targets, counted = counted_targets(torch.tensor([[-100, 5, 6]]), "causal_lm")
+        targets.tolist(), counted.tolist()   # [[5, 6, -100]], [[True, True, False]]
+        ```
+    """
+    if head_type == "causal_lm":
+        targets = shift_labels if shift_labels is not None else causal_targets(labels, ignore_index)
+        return targets, targets != ignore_index
+    if head_type in SAMPLE_LEVEL_HEADS:
+        rows = labels.shape[0] if labels.dim() > 0 else 1
+        if problem_type in (None, "single_label_classification") and not labels.is_floating_point():
+            return labels, labels.reshape(rows, -1)[:, 0] != ignore_index
+        return labels, torch.ones(rows, dtype=torch.bool, device=labels.device)
+    return labels, labels != ignore_index
+
+
 def model_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """``labels`` as a transformers model takes them (int64, ignored positions ``-100``): its own loss and the decoder
     inputs it builds from labels know only ``-100``, so any other ``ignore_index`` (``-1``) would be a target there."""

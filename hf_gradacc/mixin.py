@@ -54,7 +54,7 @@ from .moe_balance import check_router_balance
 from .step.engine import DATA_RAN_OUT, LossSource, StepEngine
 from .step.plan import realign_learning_rate
 from .step.window import Window
-from .weights import keep_weights_column
+from .weights import LOSS_WEIGHTS_KEY
 
 logger = logging.get_logger(__name__)
 
@@ -127,7 +127,7 @@ class GradAccMixin:
             # Keep `labels` through the Trainer's unused-column removal even when the model's forward does not
             # take them: the built-in loss is computed from them.
             self.label_names = [*self.label_names, LABEL_KEY]
-        keep_weights_column(self)  # `loss_weights` survives remove_unused_columns, without being a label name
+        self._keep_weights_column()
         multi_backward = (settings.backward_per_term or source.custom_training_step or settings.auto_micro_batch
                           or settings.defer_normalization)
         self.backend = backend = resolve_backend(
@@ -184,6 +184,18 @@ class GradAccMixin:
         except BaseException:
             trainer.__class__ = original
             raise
+
+    def _keep_weights_column(self) -> None:
+        """Keep ``loss_weights`` through the Trainer's unused-column removal (``remove_unused_columns=True`` drops
+        every dataset column the model's forward does not name), without making it a label name (which would change
+        what ``prediction_step`` hands to ``compute_metrics``)."""
+        setup = getattr(self, "_set_signature_columns_if_needed", None)
+        if not callable(setup):
+            return
+        setup()
+        columns = getattr(self, "_signature_columns", None)
+        if isinstance(columns, list) and LOSS_WEIGHTS_KEY not in columns:
+            columns.append(LOSS_WEIGHTS_KEY)
 
     def _loss_source(self) -> LossSource:
         """Where this trainer's loss comes from: its class's overrides, or a ``compute_loss_func`` (a Trainer

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import GradAccConfigError, GradAccDataError
-from .loss import IGNORE_INDEX, SAMPLE_LEVEL_HEADS, ProblemType, causal_targets
+from .loss import IGNORE_INDEX, SAMPLE_LEVEL_HEADS, ProblemType, counted_targets
 
 LOSS_WEIGHTS_KEY = "loss_weights"
 WEIGHTS = "weights"  # the denominator: the sum of the weights of counted targets over the step and every rank
@@ -125,22 +125,17 @@ def target_weights(
                 f"Per-token `{LOSS_WEIGHTS_KEY}` with `shift_labels` in the batch: it cannot be told whether they are "
                 "aligned with `labels` or `shift_labels`. Give per-sample weights ([batch]), or drop `shift_labels`."
             )
-        targets = shift_labels
     else:
         weights = _shaped_weights(weights, labels, sample_level=sample_level, head=head)
-        targets = causal_targets(labels, ignore_index) if head_type == "causal_lm" else labels
         if head_type == "causal_lm" and weights.dim() > 1:
             weights, offset = F.pad(weights[..., 1:], (0, 1)), 1  # the target of position i is labels[i + 1]: so is its weight
-    if sample_level:
-        if problem_type in (None, "single_label_classification") and not targets.is_floating_point():
-            counted = targets.reshape(weights.shape[0], -1)[:, 0] != ignore_index
-        else:
-            counted = torch.ones_like(weights, dtype=torch.bool)
-    else:
-        counted = targets != ignore_index
-        if weights.dim() == 1:  # per sample: a row's weight is read when the row has a counted target
-            _check_values(weights, counted.reshape(weights.shape[0], -1).any(-1))
-            weights = weights.reshape(-1, *([1] * (targets.dim() - 1))).expand(targets.shape)
+    # which targets the loss sums, and which count: the one rule (hf_gradacc.loss.counted_targets)
+    targets, counted = counted_targets(
+        labels, head_type, ignore_index=ignore_index, shift_labels=shift_labels, problem_type=problem_type
+    )
+    if not sample_level and weights.dim() == 1:  # per sample: a row's weight is read when the row has a counted target
+        _check_values(weights, counted.reshape(weights.shape[0], -1).any(-1))
+        weights = weights.reshape(-1, *([1] * (targets.dim() - 1))).expand(targets.shape)
     counted = counted.to(weights.device)
     _check_values(weights, counted, offset=offset)
     # where, not a product: a NaN weight on an uncounted target must not make its product (and the loss) NaN
@@ -198,10 +193,7 @@ def weighted_loss_sum(
             per_row = F.cross_entropy(logits.reshape(rows, -1), labels.reshape(-1).long(), ignore_index=ignore_index,
                                       reduction="none", label_smoothing=label_smoothing)  # fmt: skip
         return (per_row * w.to(per_row.dtype)).sum()
-    if head_type == "causal_lm":
-        targets = shift_labels if shift_labels is not None else causal_targets(labels, ignore_index)
-    else:
-        targets = labels
+    targets, _ = counted_targets(base, head_type, ignore_index=ignore_index, shift_labels=shift_labels)
     per_target = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long().to(logits.device), ignore_index=ignore_index,
         reduction="none", label_smoothing=label_smoothing,
@@ -213,19 +205,6 @@ def pop_weights(inputs: dict[str, Any]) -> Any:
     """Take ``loss_weights`` out of a batch before it reaches the model's forward (which would fail on it, or, taking
     ``**kwargs``, silently ignore it)."""
     return inputs.pop(LOSS_WEIGHTS_KEY, None)
-
-
-def keep_weights_column(trainer: Any) -> None:
-    """Keep ``loss_weights`` through the Trainer's unused-column removal (``remove_unused_columns=True`` drops every
-    dataset column the model's forward does not name), without making it a label name (which would change what
-    ``prediction_step`` hands to ``compute_metrics``)."""
-    setup = getattr(trainer, "_set_signature_columns_if_needed", None)
-    if not callable(setup):
-        return
-    setup()
-    columns = getattr(trainer, "_signature_columns", None)
-    if isinstance(columns, list) and LOSS_WEIGHTS_KEY not in columns:
-        columns.append(LOSS_WEIGHTS_KEY)
 
 
 def primary_denominator(head: Any, window: Any) -> str:
