@@ -312,9 +312,18 @@ class GradAccMixin:
         with self.step_engine.keeping_buffers():  # the fused head's weight-gradient buffer kept from window to window
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """`Trainer.evaluate`, after letting go of the fused head's kept weight-gradient buffer (evaluation needs no
+        gradient, whatever computes its loss; the next window's first micro-batch makes a new buffer)."""
+        self.step_engine.release_buffers()
+        return super().evaluate(*args, **kwargs)
+
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """`Trainer._save_checkpoint`, bracketed so that a kill at any point leaves the old checkpoint or a complete
-        new one (:func:`~hf_gradacc.checkpoints.checkpoint_save`: a marker written last, rotation after it)."""
+        new one (:func:`~hf_gradacc.checkpoints.checkpoint_save`: a marker written last, rotation after it). No
+        gradient is saved: the fused head's kept weight-gradient buffer is let go first (it would add to the save's
+        peak)."""
+        self.step_engine.release_buffers()
         with checkpoint_save(self, trial):
             super()._save_checkpoint(model, trial)
 

@@ -564,3 +564,7 @@ class StepEngine:
         """Around ``train()``: the fused head's weight-gradient buffer kept from window to window."""
         with into_grad.keeping_buffers():
             yield
+
+    def release_buffers(self) -> None:
+        """Let go of the fused head's kept weight-gradient buffer (evaluation and checkpoint saves need no gradient)."""
+        into_grad.release_buffers()
