@@ -21,7 +21,7 @@ import transformers
 
 from hf_gradacc import GradAccConfig
 from hf_gradacc.callbacks import GradientNoiseScaleCallback
-from hf_gradacc.testing.noise_scale import NoiseProblem, ScoreSumTrainer
+from hf_gradacc.testing.noise_problems import NoiseProblem, ScoreSumTrainer
 
 CONFIGS = ((16.0, 4, 4), (6.0, 2, 8), (48.0, 8, 8))  # (true noise scale, per-device batch, GA): the unit test's
 

@@ -13,7 +13,7 @@ step's batch (``gns/batch_size``): a step over B items makes about as much progr
 noiseless full-gradient step, so accumulating more micro-batches pays while B is below ``gns`` and stops paying well
 above it.
 
-The model is `hf_gradacc.testing.noise_scale.LinearScoreModel`: each sample's gradient is the sample itself (times a
+The model is `hf_gradacc.testing.noise_problems.LinearScoreModel`: each sample's gradient is the sample itself (times a
 fixed direction), so the data's mean and variance set the truth (``--noise_scale``). The script prints both.
 """
 
@@ -25,7 +25,7 @@ from transformers import HfArgumentParser
 
 from hf_gradacc import GradAccConfig
 from hf_gradacc.callbacks import GradientNoiseScaleCallback
-from hf_gradacc.testing.noise_scale import NoiseProblem, ScoreSumTrainer
+from hf_gradacc.testing.noise_problems import NoiseProblem, ScoreSumTrainer
 
 # The callback needs 2+ micro-batches per step; a small learning rate (the gradient does not depend on the weights).
 EXAMPLE_DEFAULTS = dict(

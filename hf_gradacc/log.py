@@ -24,7 +24,7 @@ from typing import Any
 
 from transformers.utils import logging as hf_logging
 
-from .callbacks.base import GradAccCallback
+from .callbacks.callback import GradAccCallback
 
 LOGGER_NAME = "hf_gradacc"
 logger = hf_logging.get_logger(__name__)

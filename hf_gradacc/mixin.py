@@ -29,8 +29,8 @@ from .backends import Backend, resolve_backend
 from .backends.context_parallel import context_parallel_for
 from .backends.distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .backends.fsdp2 import warn_if_no_full_model
-from .callbacks.base import GradAccCallback
 from .callbacks.batchnorm import batchnorm_callback_for
+from .callbacks.callback import GradAccCallback
 from .checkpoints import DataPosition, checkpoint_save, data_parallel_size, prefix_blocker, resolve_resume
 from .compat import check_trainer_class
 from .config import GradAccArguments, GradAccSettings, resolve_settings

@@ -43,7 +43,6 @@ TRAINER_EDGES = (
     "hf_gradacc/trl/",
     "hf_gradacc/callbacks/",
     "hf_gradacc/log.py",
-    "hf_gradacc/grads.py",
     "hf_gradacc/testing/",
     "hf_gradacc/commands/",
 )
@@ -55,7 +54,7 @@ RANK_ANSWER_NAMES = re.compile(
     r"num_loss_ranks|data_ranks|count_ranks|world_size_of|samples_per_micro_batch)$"
 )
 FIXTURE_MODULES = ("tiny", "tiny_vlm", "reference", "moe_reference", "grpo_reference", "one_step", "steps",
-                   "trl_steps", "trl_more_steps", "grpo_steps", "trl_gather", "noise_scale", "__init__")
+                   "trl_steps", "trl_more_steps", "grpo_steps", "trl_gather", "noise_problems", "__init__")
 
 
 def modules() -> dict[str, Path]:

@@ -24,7 +24,7 @@ from transformers.utils import logging
 
 from ..config import BATCHNORM_MODES, PRECISE_BN_BATCHES
 from ..errors import GradAccConfigError
-from .base import GradAccCallback
+from .callback import GradAccCallback
 
 logger = logging.get_logger(__name__)
 

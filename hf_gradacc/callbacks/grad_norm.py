@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..errors import GradAccConfigError
-from .base import GradAccCallback
+from .callback import GradAccCallback
 
 
 class GradNormCallback(GradAccCallback):

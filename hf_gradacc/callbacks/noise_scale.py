@@ -20,7 +20,7 @@ import torch
 from transformers.utils import logging
 
 from ..errors import GradAccConfigError, UnsupportedBackendError
-from .base import GradAccCallback
+from .callback import GradAccCallback
 
 logger = logging.get_logger(__name__)
 

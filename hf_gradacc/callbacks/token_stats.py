@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
-from .base import GradAccCallback
+from .callback import GradAccCallback
 
 _clock = time.perf_counter  # the step's wall time (a module attribute, so that tests can drive it)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..callbacks.base import GradAccCallback
+from ..callbacks.callback import GradAccCallback
 from .reference import Comparison, compare, reference_gradients
 from .tiny import PaddingCollator
 

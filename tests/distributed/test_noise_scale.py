@@ -1,6 +1,6 @@
 """GradientNoiseScaleCallback on 2 CPU ranks (gloo): DDP (prefetched and streamed steps), FSDP2 (``deferred`` and
 ``every_micro_batch``) and DeepSpeed ZeRO-1/2/3 (``per_micro_batch`` and ``per_window``), on a problem whose noise
-scale is known (`hf_gradacc.testing.noise_scale`: B_simple = 16 samples).
+scale is known (`hf_gradacc.testing.noise_problems`: B_simple = 16 samples).
 
 One launch per backend runs its cases (``workers/noise_scale_cases.py``): DDP and FSDP2 through ``torchrun``,
 DeepSpeed through ``accelerate launch --config_file examples/accelerate_configs/zero<N>_cpu.yaml`` with

@@ -1,5 +1,5 @@
 """GradientNoiseScaleCallback on one process: the estimator, the two gradient reads against float64 references, the
-estimate against problems whose noise scale is known (`hf_gradacc.testing.noise_scale`), what it refuses, and
+estimate against problems whose noise scale is known (`hf_gradacc.testing.noise_problems`), what it refuses, and
 examples/noise_scale.py. The 2-rank backends are in tests/distributed/test_noise_scale.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hf_gradacc import GradAccConfig, GradientsNotReadyError, UnsupportedBackend
 from hf_gradacc.callbacks import GradAccCallback, GradientNoiseScaleCallback, noise_scale_estimates
 from hf_gradacc.callbacks.noise_scale import _Ema
 from hf_gradacc.counting import MicroBatchCounts, gather_window_counts
-from hf_gradacc.testing.noise_scale import NoiseProblem, ScoreSumTrainer, mean_gradient_sq_norm
+from hf_gradacc.testing.noise_problems import NoiseProblem, ScoreSumTrainer, mean_gradient_sq_norm
 
 ROOT = Path(__file__).resolve().parents[2]
 EXACT = 1e-5

@@ -1,5 +1,5 @@
 """One rank of the gradient-noise-scale tests: GradientNoiseScaleCallback on a problem with a KNOWN noise scale
-(`hf_gradacc.testing.noise_scale`), on DDP, FSDP2 or DeepSpeed ZeRO (2 CPU ranks, gloo).
+(`hf_gradacc.testing.noise_problems`), on DDP, FSDP2 or DeepSpeed ZeRO (2 CPU ranks, gloo).
 
     # started by tests/distributed/test_noise_scale.py
     torchrun --nproc_per_node 2 noise_scale_cases.py --backend ddp --cases '[{"name": "ddp"}]'
@@ -32,7 +32,7 @@ import torch
 
 from hf_gradacc import GradAccConfig
 from hf_gradacc.callbacks import GradAccCallback, GradientNoiseScaleCallback
-from hf_gradacc.testing.noise_scale import NoiseProblem, ScoreSumTrainer, mean_gradient_sq_norm
+from hf_gradacc.testing.noise_problems import NoiseProblem, ScoreSumTrainer, mean_gradient_sq_norm
 from hf_gradacc.testing.one_step import one_step_args
 from tests.distributed.workers._common import WarningRecorder, finish_worker, rank, world_size, write_result
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
-from hf_gradacc.callbacks.base import GradAccCallback
+from hf_gradacc.callbacks.callback import GradAccCallback
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 
