@@ -166,6 +166,13 @@ def test_one_formatter_owns_the_layout() -> None:
     assert len(long_lines()) <= MAX_LONG_LINES, long_lines()
 
 
+def test_the_architecture_page_names_every_module() -> None:
+    """docs/architecture.md names every package module (its path under hf_gradacc/), with what it owns."""
+    from tests.layout_metrics import modules_missing_from_architecture_doc
+
+    assert modules_missing_from_architecture_doc() == []
+
+
 MAX_FMT_SKIP = 20
 MAX_LONG_LINES = 10
 
