@@ -15,7 +15,7 @@ where routed tokens are the ``attention_mask == 1`` positions (every position wi
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ def aux_coefficient(model: nn.Module, names: tuple[str, ...]) -> float | None:
 def model_aux_terms(
     model: nn.Module,
     outputs: Any,
-    num_input_tokens: int,
+    num_input_tokens: int | Callable[[], int],
     *,
     routing: StepRouting | None = None,
     attention_mask: Any = None,
@@ -65,7 +65,8 @@ def model_aux_terms(
     ``routing`` (the step's :class:`~hf_gradacc.moe_balance.StepRouting`, with the micro-batch's ``attention_mask``
     and ``index``): under ``router_balance="global_batch"`` (its ``global_counts`` set) the ``aux`` term is the
     micro-batch's share of the step's ONE balance loss (:mod:`hf_gradacc.moe_balance`); otherwise the micro-batch's
-    routing is only recorded there, for ``moe/load_max_over_mean``.
+    routing is only recorded there, for ``moe/load_max_over_mean``. ``num_input_tokens``: the micro-batch's routed
+    tokens (the window's count in training), or a function that counts them, called only when there are router terms.
 
     Example:
         ```python
@@ -75,6 +76,8 @@ def model_aux_terms(
         ```
     """
     found = _router_losses(model, outputs)
+    if found and callable(num_input_tokens):  # counted only for a model that returns router terms
+        num_input_tokens = num_input_tokens()
     terms = {
         name: LossTerm(total=value * (coef * num_input_tokens), normalize_by="input_tokens") for name, value, coef in found
     }

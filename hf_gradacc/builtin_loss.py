@@ -59,6 +59,7 @@ def builtin_loss(
     routing: Any = None,
     micro_batch_index: int | None = None,
     all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    num_input_tokens: int | None = None,
 ) -> tuple[dict[str, LossTerm], Any]:
     """``({"main": LossTerm(head's sum, denominator), "aux": ..., ...}, outputs)`` for one micro-batch.
 
@@ -71,7 +72,8 @@ def builtin_loss(
 
     ``routing``: the step's :class:`~hf_gradacc.moe_balance.StepRouting` (``router_balance``), with the running
     ``micro_batch_index``. ``all_gather``: the backend's (every rank's row stacked), for the fused head's start-up
-    check, agreed over the ranks.
+    check, agreed over the ranks. ``num_input_tokens``: the micro-batch's routed tokens as the window counted them
+    (training: no device read); counted from ``inputs`` when None, and only for a model with router terms.
     """
     inputs = dict(inputs)
     labels = inputs.pop(LABEL_KEY, None)
@@ -103,7 +105,7 @@ def builtin_loss(
     if fused_lm_head:
         return _fused_loss(head, model, inputs, labels, shift_labels, denominator=denominator, check=with_model_loss,
                            routing=routing, micro_batch_index=micro_batch_index,
-                           all_gather=all_gather or (lambda row: row[None]))
+                           all_gather=all_gather or (lambda row: row[None]), num_input_tokens=num_input_tokens)
     outputs = None
     if with_model_loss and labels is not None:
         try:  # the model's own loss from the same forward; a model that cannot compute one is simply not checked
@@ -132,7 +134,8 @@ def builtin_loss(
         terms = {
             MAIN_TERM: LossTerm(total=head.sum_loss(logits_of(outputs), labels, shift_labels), normalize_by=denominator)
         }
-    terms.update(model_aux_terms(model, outputs, input_token_count(inputs), routing=routing,
+    routed = num_input_tokens if num_input_tokens is not None else (lambda: input_token_count(inputs))
+    terms.update(model_aux_terms(model, outputs, routed, routing=routing,
                                  attention_mask=inputs.get("attention_mask"), index=micro_batch_index))
     return terms, outputs
 
@@ -149,6 +152,7 @@ def _fused_loss(
     routing: Any = None,
     micro_batch_index: int | None = None,
     all_gather: Callable[[torch.Tensor], torch.Tensor],
+    num_input_tokens: int | None = None,
 ) -> tuple[dict[str, LossTerm], Any]:
     ignore = head.ignore_index
     if LABEL_KEY in inputs:  # a seq2seq model that builds its decoder inputs from the labels would compute its loss
@@ -175,7 +179,8 @@ def _fused_loss(
         except GradAccLossError as error:
             raise GradAccLossError(f"{error} (fused_lm_head: compared on the first row with a target)") from None
     terms = {MAIN_TERM: LossTerm(total=result.sum_loss, normalize_by=denominator)}
-    terms.update(model_aux_terms(model, result.backbone, input_token_count(inputs), routing=routing,
+    routed = num_input_tokens if num_input_tokens is not None else (lambda: input_token_count(inputs))
+    terms.update(model_aux_terms(model, result.backbone, routed, routing=routing,
                                  attention_mask=inputs.get("attention_mask"), index=micro_batch_index))
     return terms, result.backbone
 

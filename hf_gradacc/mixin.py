@@ -407,10 +407,11 @@ class GradAccMixin:
                 if stepped is None:
                     continue  # a non-finite step, dropped on every rank: parameters and optimizer state unchanged
                 grad_norm, learning_rate = stepped
-                if args.logging_nan_inf_filter and not bool(torch.isfinite(tr_loss_step)):
-                    self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
-                else:
-                    self._tr_loss += tr_loss_step.to(self._tr_loss.device)
+                step_loss = tr_loss_step.to(self._tr_loss.device)
+                if args.logging_nan_inf_filter:  # a non-finite step logs the mean so far, chosen on the device
+                    mean_so_far = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+                    step_loss = torch.where(torch.isfinite(step_loss), step_loss, mean_so_far)
+                self._tr_loss += step_loss
             except RuntimeError as error:
                 if not is_collective_failure(error):
                     raise

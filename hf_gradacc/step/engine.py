@@ -495,6 +495,7 @@ class StepEngine:
             self.head, model, inputs, denominator=self.primary_denominator, with_model_loss=check, fused_lm_head=fused,
             routing=window.routing if training else None, micro_batch_index=window.index if training else None,
             all_gather=self.backend.all_gather,
+            num_input_tokens=window.current_counts.num_input_tokens if training else None,  # counted already
         )
         result: Any = terms if len(terms) > 1 else terms[MAIN_TERM]  # a LossTerm, as in 0.1, unless router terms
         if not training:  # evaluation / prediction: the batch mean
