@@ -369,6 +369,11 @@ class GradAccMixin:
             )
         num_samples = len(self.train_dataset) if prefix_blocker(self) is None else None
         samples_per_micro_batch = self._train_batch_size * data_parallel_size(self)  # not the copies
+        import os  # AUDIT (temporary)
+
+        if os.environ.get("HF_GRADACC_MESH_AUDIT") and data_parallel_size(self) != self.backend.mesh.data_parallel_size:
+            raise AssertionError(f"MESH AUDIT: data_parallel_size {data_parallel_size(self)} != mesh "
+                                 f"{self.backend.mesh}")
         # Regrouped or packed windows keep each stock window's samples (GA x batch x ranks of the order), not its
         # micro-batches: count windows there.
         samples_per_window = samples_per_micro_batch * args.gradient_accumulation_steps
