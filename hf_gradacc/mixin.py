@@ -272,7 +272,24 @@ class GradAccMixin:
     def _require_window(self, what: str) -> Window:
         window = self._window
         if window is None or window.index is None:
-            raise GradAccUsageError(f"{what} runs inside a training step's micro-batch only (from training_step)")
+            where = "outside `trainer.train()`" if window is None else "between two micro-batches (a callback, a hook)"
+            if what == "backward":
+                way_out = (
+                    "`trainer.backward(loss, final=...)` is for a `training_step` override, which `trainer.train()` "
+                    "calls once per micro-batch; outside training call `loss.backward()` on your loss yourself"
+                )
+            else:
+                way_out = (
+                    "To train, call `trainer.train()`. For a one-off forward and backward pass outside training, "
+                    "`loss = trainer.compute_loss(trainer.model, batch)` is the batch's mean loss (as in `Trainer`; "
+                    "the batch's tensors on the model's device): call `loss.backward()` on it (not "
+                    "`transformers.Trainer.training_step(trainer, ...)`, which divides by `gradient_accumulation_steps` "
+                    "and fails before `train()`); `trainer.evaluate()` gives the loss alone"
+                )
+            raise GradAccUsageError(
+                f"`{what}` was called {where}: it runs only inside `trainer.train()`, on a micro-batch of the "
+                f"optimizer step in flight, whose counts over the whole step normalise its loss. {way_out}."
+            )
         return window
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
