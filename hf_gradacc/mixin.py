@@ -287,8 +287,9 @@ class GradAccMixin:
                     "and fails before `train()`); `trainer.evaluate()` gives the loss alone"
                 )
             raise GradAccUsageError(
-                f"`{what}` was called {where}: it runs only inside `trainer.train()`, on a micro-batch of the "
-                f"optimizer step in flight, whose counts over the whole step normalise its loss. {way_out}."
+                f"`{what}` was called {where}: it runs only inside a training step of `trainer.train()`, on a "
+                f"micro-batch of the optimizer step in flight, whose counts over the whole step normalise its loss. "
+                f"{way_out}."
             )
         return window
 
