@@ -476,6 +476,42 @@ def test_cp_eval_loss_fails_with_shard_means():
     assert all(abs(r / reference - 1) > 1e-3 for r in results), (results, reference)  # exact: 1e-6
 
 
+def test_cp_eval_batch_mean_adds_up_its_own_cp_group_only():
+    """dp 2 x cp 2 (4 ranks, two cp groups, each evaluating its own batch; the collective runs over every rank): each
+    rank's ``batch_mean`` is its OWN batch's mean over whole sequences (the float64 unsharded loss), from its group's
+    rows only. Summing every rank's rows would give both groups the mean over both batches."""
+    from hf_gradacc.builtin_loss import MAIN_TERM
+    from hf_gradacc.counting import context_parallel_indices
+
+    model = peaked_model()
+    batches = [PaddingCollator()(make_samples("causal_lm", EVAL_BS, seed=s)) for s in (7, 8)]  # data ranks 0, 1
+    with torch.no_grad():
+        references = [float(full_batch_loss(float64_copy(model), b, "causal_lm")) for b in batches]
+    assert abs(references[0] / references[1] - 1) > 1e-2, references  # a mix of the two is far from either
+    head, exchange, results = Head(type="causal_lm"), Exchange(4), [None] * 4
+
+    def rank(r):
+        group, cp_rank = divmod(r, 2)  # accelerate's mesh: the cp ranks of a data rank are neighbours
+        cp = ContextParallel(size=2, rank=cp_rank, group_ranks=(2 * group, 2 * group + 1))
+        padded = cp.pad(batches[group])
+        view = cp.count_view(batches[group])
+        index = context_parallel_indices(padded["input_ids"].shape[1], 2, cp_rank)
+        with torch.no_grad():  # ring attention's result: the whole sequence's logits at this rank's positions
+            logits = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
+        total = head.sum_loss(logits.index_select(1, index), view["labels"], view["shift_labels"])
+        trainer = SimpleNamespace(backend=SimpleNamespace(all_gather=lambda t: exchange.all_gather(r, t)))
+        terms = {MAIN_TERM: LossTerm(total=total, normalize_by="tokens")}
+        results[r] = float(cp.batch_mean(trainer, terms, head.count(view), "tokens"))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    expected = [references[0], references[0], references[1], references[1]]
+    assert results == pytest.approx(expected, rel=1e-5), (results, expected)
+
+
 def test_cp_eval_with_logits_is_refused_by_name():
     model = build_tiny_model("causal_lm")
     samples = make_samples("causal_lm", 4, seed=7)
