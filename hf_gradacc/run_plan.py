@@ -1,5 +1,6 @@
 """The run's length and where it starts: optimizer steps counted as windows, under an accumulation schedule, and
-from a resumed checkpoint's recorded position when the stock skip would land elsewhere.
+from a resumed checkpoint's recorded position when the stock skip would land elsewhere; a resumed run starts from
+every weight its checkpoint holds (:func:`restore_weights`).
 
 `GradAccMixin` calls :func:`training_values` from `Trainer.set_initial_training_values` and :func:`resumed_start`
 from `Trainer._init_training_state`; both read and set the trainer's run state (``_batches_per_epoch``,
@@ -8,7 +9,11 @@ from `Trainer._init_training_state`; both read and set the trainer's run state (
 
 from __future__ import annotations
 
+import copy
+import json
 import math
+import os
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -16,7 +21,8 @@ import torch
 from transformers.trainer_utils import has_length
 from transformers.utils import logging
 
-from .checkpoints import data_parallel_size, stock_position
+from .backends.sharded_model import distributed_config_of
+from .checkpoints import _gathered, data_parallel_size, stock_position
 from .data.loader import adjust_training_values, find_regroup_sampler, skip_first_samples
 from .errors import GradAccConfigError
 from .schedule import scheduled_training_values
@@ -103,6 +109,8 @@ def resumed_start(
     wrong after a change of layout), with one warning saying what changed and where training continues. A checkpoint
     at or past the run's last step (``max_steps``) takes no step: ``num_train_epochs``, with a warning (the stock
     Trainer runs one more step when ``max_steps`` was lowered below the checkpoint's step)."""
+    if resume_from_checkpoint is not None:
+        restore_weights(trainer, resume_from_checkpoint)  # after the Trainer's own load, before the first step
     step = trainer.state.global_step
     if resume_from_checkpoint is not None and step > 0 and step >= max_steps:
         length = (f"`max_steps` ({trainer.args.max_steps})" if trainer.args.max_steps > 0 else
@@ -161,3 +169,165 @@ def realign_learning_rate(trainer: Any) -> None:
 
 def _gather_on(backend: Any, device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
     return backend.all_gather(tensor.to(device)).cpu()
+
+
+# ---------------------------------------------------------------------------------------------- the resumed weights
+# What `Trainer._load_from_checkpoint` reads as the model's weights, in its order of preference.
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+_NAMES_SHOWN = 6
+
+
+def restore_weights(trainer: Any, folder: str) -> None:
+    """After `Trainer._load_from_checkpoint`: every tensor of the checkpoint's model weights is in ``trainer.model``.
+
+    The Trainer loads ``model.safetensors`` with ``load_state_dict``, by name, and only logs the names that do not
+    match. transformers 5 saves some models in another layout than they train in: a mixture-of-experts model's
+    experts train as one tensor per layer (``mlp.experts.gate_up_proj``) and are saved one per expert, Mixtral's under
+    another module name too (``block_sparse_moe.experts.0.w1.weight``); resumed, the router and experts kept the values
+    they had before the resume. Here the tensors the load by name missed are converted as `from_pretrained` converts
+    them (transformers' conversion mapping of the model) and copied into the model's own. A tensor of the model that
+    the checkpoint still does not restore, or a saved one that no tensor of the model takes, is a
+    :class:`~hf_gradacc.GradAccConfigError` on every rank, naming them, the transformers version and the way out.
+
+    Not checked: FSDP and DeepSpeed checkpoints (their own state dicts, in the model's names), adapters, a model
+    sharded at load time (its checkpoints cannot be resumed; see docs/backends.md).
+
+    Example:
+        ```python
+        restore_weights(trainer, "out/checkpoint-500")   # called by GradAccTrainer on every resume
+        ```
+    """
+    model = trainer.model
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled or distributed_config_of(model) is not None:
+        return
+    saved = _saved_weights(folder)
+    problem = None if saved is None else _restore(model, saved, folder)
+    problems = [(rank, p) for rank, p in enumerate(_gathered(problem)) if p is not None]  # every rank raises alike
+    if problems:
+        rank, message = problems[0]
+        raise GradAccConfigError(message + (f" (found by rank {rank}'s load)" if rank else ""))
+
+
+def _saved_weights(folder: str) -> dict[str, Callable[[], torch.Tensor]] | None:
+    """The checkpoint's model tensors by saved name, each read when called, from the file(s) the Trainer loads;
+    None without full model weights (an adapter checkpoint)."""
+    path = next((p for n in _WEIGHT_FILES if os.path.isfile(p := os.path.join(folder, n))), None)
+    if path is None:
+        return None
+    if not path.endswith(".index.json"):
+        return _readers(path)
+    with open(path) as f:
+        files = set(json.load(f)["weight_map"].values())
+    return {key: read for file in sorted(files) for key, read in _readers(os.path.join(folder, file)).items()}
+
+
+def _readers(path: str) -> dict[str, Callable[[], torch.Tensor]]:
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        handle = safe_open(path, framework="pt", device="cpu")
+        return {key: partial(handle.get_tensor, key) for key in handle.keys()}
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {key: partial(state.__getitem__, key) for key in state}
+
+
+def _restore(model: torch.nn.Module, saved: dict[str, Callable[[], torch.Tensor]], folder: str) -> str | None:
+    """Restore what the Trainer's load by name left out; why the checkpoint does not restore the model, or None."""
+    import transformers
+
+    state = model.state_dict()
+    others = {key: read for key, read in saved.items() if key not in state}  # the load by name restored the rest
+    restored, untaken, failure = {key for key in saved if key in state}, [], ""
+    if others:
+        try:
+            converted = _convert_into(model, state, others, untaken)
+        except (ImportError, AttributeError, TypeError, ValueError, KeyError, RuntimeError) as error:
+            converted, untaken = set(), list(others)
+            failure = f" (converting them failed: {type(error).__name__}: {error})"
+        restored |= converted
+    missing = _not_restored(model, state, restored)
+    name = type(model).__name__
+    if not missing and not untaken:
+        if others:
+            logger.warning(
+                f"Resuming {folder!r}: the Trainer loads the checkpoint's weights by name and left {len(converted)} "
+                f"tensors of {name} at their values before the resume ({_names(sorted(converted))}; its 'missing "
+                f"keys' warning): transformers {transformers.__version__} saves {name} in another layout than it "
+                "trains in. hf_gradacc restored them through transformers' conversion mapping, as `from_pretrained` "
+                "converts them; every tensor of the checkpoint is restored."
+            )
+        return None
+    saved_by = _saved_version(folder)
+    return (
+        f"`resume_from_checkpoint` ({folder!r}): the checkpoint's weights do not restore {name}: "
+        + (f"{len(missing)} of its tensors are not in it ({_names(missing)})" if missing else "")
+        + ("; " if missing and untaken else "")
+        + (f"{len(untaken)} saved tensors go to no tensor of the model ({_names(untaken)})" if untaken else "")
+        + f"{failure}. The Trainer of transformers {transformers.__version__} (the checkpoint was saved by {saved_by}) "
+        "loads the weights by name, and the conversion mapping `from_pretrained` converts saved names with does not "
+        "turn these into the model's; resumed, the tensors left out would train on from the values they had before "
+        f"the resume, silently. Resume with a transformers version whose conversion mapping covers "
+        f"{getattr(model.config, 'model_type', name)!r} (the one that saved the checkpoint, if another), or start a new "
+        f"run from its weights, `{name}.from_pretrained({folder!r})`, without `resume_from_checkpoint` (the "
+        "optimizer's moments and the schedule then start afresh)."
+    )
+
+
+def _convert_into(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], saved: dict[str, Callable[[], torch.Tensor]], untaken: list
+) -> set[str]:
+    """Convert the saved tensors ``saved`` to the model's names and layout as `from_pretrained` does (the model's
+    conversion mapping: renamings, each layer's experts stacked in index order) and copy each into the model's tensor
+    of that name; return the names restored. Saved names no tensor of the model takes go to ``untaken``."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    transforms = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    groups: dict[str, Any] = {}
+    for key in sorted(saved, key=dot_natural_key):  # the order from_pretrained stacks the experts in
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+        if target not in state:
+            untaken.append(key)
+            continue
+        transform = groups.setdefault(
+            target, copy.deepcopy(by_pattern[pattern]) if pattern is not None else WeightRenaming(key, target)
+        )
+        transform.add_tensor(target, key, key if pattern is None else pattern, saved[key])
+    restored = set()
+    with torch.no_grad():
+        for first, transform in groups.items():
+            for target, value in transform.convert(first, model=model, config=model.config).items():
+                value = value[0] if isinstance(value, list) else value
+                if target not in state or state[target].shape != value.shape:
+                    untaken.append(target)
+                    continue
+                state[target].copy_(value)
+                restored.add(target)
+    return restored
+
+
+def _not_restored(model: torch.nn.Module, state: dict[str, torch.Tensor], restored: set[str]) -> list[str]:
+    """The model's tensors not restored: neither sharing memory with a restored one (tied weights are saved once)
+    nor left out of every save (``_keys_to_ignore_on_save``)."""
+
+    def place(tensor: torch.Tensor) -> tuple:
+        return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
+
+    covered = {place(state[name]) for name in restored}
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    return [n for n, t in state.items() if n not in restored and n not in ignored and place(t) not in covered]
+
+
+def _saved_version(folder: str) -> str:
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return f"transformers {json.load(f)['transformers_version']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "an unknown transformers version"
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:_NAMES_SHOWN]) + (f", ... ({len(names) - _NAMES_SHOWN} more)" if len(names) > _NAMES_SHOWN else "")
