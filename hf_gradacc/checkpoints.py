@@ -23,17 +23,21 @@ ranks merge what they found, so that every rank resumes the same folder, at rank
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
+import torch
 from transformers.utils import logging
 
-from .backends.distributed import is_collective_failure, save_failure
+from .backends.distributed import gather_objects, is_collective_failure, save_failure
+from .backends.sharded_model import distributed_config_of
 from .errors import GradAccConfigError
 
 logger = logging.get_logger(__name__)
@@ -219,14 +223,8 @@ def _checkpoints(output_dir: str) -> list[tuple[int, str]]:
 
 
 def _gathered(value: Any) -> list[Any]:
-    """``value`` of every rank, in rank order (``[value]`` on one process): one collective."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
+    """``value`` of every rank, in rank order (``[value]`` on one process): one collective (the backends')."""
+    return gather_objects(value)
 
 
 # What a rank's folder lacks when the rank does not share rank 0's disk (files the Trainer writes on rank 0 only).
@@ -638,3 +636,164 @@ def checkpoint_save(trainer: Any, trial: Any) -> Iterator[None]:
         _write_marker(folder)
         rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                            best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- the resumed weights
+# What `Trainer._load_from_checkpoint` reads as the model's weights, in its order of preference.
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+_NAMES_SHOWN = 6
+
+
+def restore_weights(model: torch.nn.Module, folder: str, *, managed_elsewhere: bool = False) -> None:
+    """After `Trainer._load_from_checkpoint`: every tensor of the checkpoint's model weights is in ``model``.
+
+    The Trainer loads ``model.safetensors`` with ``load_state_dict``, by name, and only logs the names that do not
+    match. transformers 5 saves some models in another layout than they train in: a mixture-of-experts model's
+    experts train as one tensor per layer (``mlp.experts.gate_up_proj``) and are saved one per expert, Mixtral's under
+    another module name too (``block_sparse_moe.experts.0.w1.weight``); resumed, the router and experts kept the values
+    they had before the resume. Here the tensors the load by name missed are converted as `from_pretrained` converts
+    them (transformers' conversion mapping of the model) and copied into the model's own. A tensor of the model that
+    the checkpoint still does not restore, or a saved one that no tensor of the model takes, is a
+    :class:`~hf_gradacc.GradAccConfigError` on every rank, naming them, the transformers version and the way out.
+
+    Not checked (``managed_elsewhere``): FSDP and DeepSpeed checkpoints (their own state dicts, in the model's names);
+    nor adapters, nor a model sharded at load time (its checkpoints cannot be resumed; see docs/backends.md).
+
+    Example:
+        ```python
+        restore_weights(trainer.model, "out/checkpoint-500")   # GradAccMixin calls it on every resume
+        ```
+    """
+    if managed_elsewhere or distributed_config_of(model) is not None:
+        return
+    saved = _saved_weights(folder)
+    problem = None if saved is None else _restore(model, saved, folder)
+    problems = [(rank, p) for rank, p in enumerate(_gathered(problem)) if p is not None]  # every rank raises alike
+    if problems:
+        rank, message = problems[0]
+        raise GradAccConfigError(message + (f" (found by rank {rank}'s load)" if rank else ""))
+
+
+def _saved_weights(folder: str) -> dict[str, Callable[[], torch.Tensor]] | None:
+    """The checkpoint's model tensors by saved name, each read when called, from the file(s) the Trainer loads;
+    None without full model weights (an adapter checkpoint)."""
+    path = next((p for n in _WEIGHT_FILES if os.path.isfile(p := os.path.join(folder, n))), None)
+    if path is None:
+        return None
+    if not path.endswith(".index.json"):
+        return _readers(path)
+    with open(path) as f:
+        files = set(json.load(f)["weight_map"].values())
+    return {key: read for file in sorted(files) for key, read in _readers(os.path.join(folder, file)).items()}
+
+
+def _readers(path: str) -> dict[str, Callable[[], torch.Tensor]]:
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        handle = safe_open(path, framework="pt", device="cpu")
+        return {key: partial(handle.get_tensor, key) for key in handle.keys()}
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {key: partial(state.__getitem__, key) for key in state}
+
+
+def _restore(model: torch.nn.Module, saved: dict[str, Callable[[], torch.Tensor]], folder: str) -> str | None:
+    """Restore what the Trainer's load by name left out; why the checkpoint does not restore the model, or None."""
+    import transformers
+
+    state = model.state_dict()
+    others = {key: read for key, read in saved.items() if key not in state}  # the load by name restored the rest
+    restored, untaken, failure = {key for key in saved if key in state}, [], ""
+    if others:
+        try:
+            converted = _convert_into(model, state, others, untaken)
+        except (ImportError, AttributeError, TypeError, ValueError, KeyError, RuntimeError) as error:
+            converted, untaken = set(), list(others)
+            failure = f" (converting them failed: {type(error).__name__}: {error})"
+        restored |= converted
+    missing = _not_restored(model, state, restored)
+    name = type(model).__name__
+    if not missing and not untaken:
+        if others:
+            logger.warning(
+                f"Resuming {folder!r}: the Trainer loads the checkpoint's weights by name and left {len(converted)} "
+                f"tensors of {name} at their values before the resume ({_names(sorted(converted))}; its 'missing "
+                f"keys' warning): transformers {transformers.__version__} saves {name} in another layout than it "
+                "trains in. hf_gradacc restored them through transformers' conversion mapping, as `from_pretrained` "
+                "converts them; every tensor of the checkpoint is restored."
+            )
+        return None
+    saved_by = _saved_version(folder)
+    return (
+        f"`resume_from_checkpoint` ({folder!r}): the checkpoint's weights do not restore {name}: "
+        + (f"{len(missing)} of its tensors are not in it ({_names(missing)})" if missing else "")
+        + ("; " if missing and untaken else "")
+        + (f"{len(untaken)} saved tensors go to no tensor of the model ({_names(untaken)})" if untaken else "")
+        + f"{failure}. The Trainer of transformers {transformers.__version__} (the checkpoint was saved by {saved_by}) "
+        "loads the weights by name, and the conversion mapping `from_pretrained` converts saved names with does not "
+        "turn these into the model's; resumed, the tensors left out would train on from the values they had before "
+        f"the resume, silently. Resume with a transformers version whose conversion mapping covers "
+        f"{getattr(model.config, 'model_type', name)!r} (the one that saved the checkpoint, if another), or start a new "
+        f"run from its weights, `{name}.from_pretrained({folder!r})`, without `resume_from_checkpoint` (the "
+        "optimizer's moments and the schedule then start afresh)."
+    )
+
+
+def _convert_into(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], saved: dict[str, Callable[[], torch.Tensor]], untaken: list
+) -> set[str]:
+    """Convert the saved tensors ``saved`` to the model's names and layout as `from_pretrained` does (the model's
+    conversion mapping: renamings, each layer's experts stacked in index order) and copy each into the model's tensor
+    of that name; return the names restored. Saved names no tensor of the model takes go to ``untaken``."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    transforms = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    groups: dict[str, Any] = {}
+    for key in sorted(saved, key=dot_natural_key):  # the order from_pretrained stacks the experts in
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+        if target not in state:
+            untaken.append(key)
+            continue
+        transform = groups.setdefault(
+            target, copy.deepcopy(by_pattern[pattern]) if pattern is not None else WeightRenaming(key, target)
+        )
+        transform.add_tensor(target, key, key if pattern is None else pattern, saved[key])
+    restored = set()
+    with torch.no_grad():
+        for first, transform in groups.items():
+            for target, value in transform.convert(first, model=model, config=model.config).items():
+                value = value[0] if isinstance(value, list) else value
+                if target not in state or state[target].shape != value.shape:
+                    untaken.append(target)
+                    continue
+                state[target].copy_(value)
+                restored.add(target)
+    return restored
+
+
+def _not_restored(model: torch.nn.Module, state: dict[str, torch.Tensor], restored: set[str]) -> list[str]:
+    """The model's tensors not restored: neither sharing memory with a restored one (tied weights are saved once)
+    nor left out of every save (``_keys_to_ignore_on_save``)."""
+
+    def place(tensor: torch.Tensor) -> tuple:
+        return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
+
+    covered = {place(state[name]) for name in restored}
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    return [n for n, t in state.items() if n not in restored and n not in ignored and place(t) not in covered]
+
+
+def _saved_version(folder: str) -> str:
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return f"transformers {json.load(f)['transformers_version']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "an unknown transformers version"
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:_NAMES_SHOWN]) + (f", ... ({len(names) - _NAMES_SHOWN} more)" if len(names) > _NAMES_SHOWN else "")

@@ -387,6 +387,8 @@ class Counter:
         """What this rank holds of the training micro-batch ``batch``, counted (see the class docstring)."""
         cp = self.cp
         sharded = cp is not None and cp.size > 1
+        if cp is not None:
+            cp.check_slice(batch)  # a sequence-parallel slice refused by name (left padding)
         view = cp.count_view(batch) if sharded else batch
         counts = self.count_batch(view)
         if self.seen.mode != "no":

@@ -31,7 +31,14 @@ from .backends.distributed import apply_ddp_timeout, collective_failure, finish_
 from .backends.fsdp2 import warn_if_no_full_model
 from .callbacks.batchnorm import batchnorm_callback_for
 from .callbacks.callback import GradAccCallback
-from .checkpoints import DataPosition, checkpoint_save, data_parallel_size, prefix_blocker, resolve_resume
+from .checkpoints import (
+    DataPosition,
+    checkpoint_save,
+    data_parallel_size,
+    prefix_blocker,
+    resolve_resume,
+    restore_weights,
+)
 from .compat import check_trainer_class
 from .config import GradAccArguments, GradAccSettings, resolve_settings
 from .counting import LABEL_KEY, Counter, SeenTokens
@@ -138,7 +145,7 @@ class GradAccMixin:
             check_packing_support(self.model)  # no silent cross-sample attention
         cp, gather_function = context_parallel_for(  # cp_size > 1: a shard per rank, or refused by name
             accelerator=self.accelerator, settings=settings, head=head, model=self.model, source=source,
-            trainer_class=type(self),
+            trainer_class=type(self), sequence_parallel_size=int(getattr(backend, "sequence_parallel_size", 1) or 1),
         )
         if gather_function is not None:  # evaluation gathers one copy of each batch (the cp group's rank 0)
             self.gather_function = gather_function
@@ -564,12 +571,16 @@ class GradAccMixin:
         )
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial):
-        """`Trainer._init_training_state`; a resumed run finds its epoch and what it already trained in it from the
+        """`Trainer._init_training_state`; a resumed run starts from every weight its checkpoint holds
+        (:func:`~hf_gradacc.checkpoints.restore_weights`), and finds its epoch and what it already trained in it from the
         schedule (windows differ in size) or the checkpoint's record
         (:meth:`RunPlan.resumed_start <hf_gradacc.step.plan.RunPlan.resumed_start>`)."""
         epochs_trained, steps_trained = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
+        if resume_from_checkpoint is not None:  # after the Trainer's own load, before the first step
+            restore_weights(self.model, resume_from_checkpoint,
+                            managed_elsewhere=self.is_fsdp_enabled or self.is_deepspeed_enabled)
         return self.step_engine.plan.resumed_start(
             self.args, self.state.global_step, epochs_trained, steps_trained, max_steps=max_steps,
             num_train_epochs=num_train_epochs, resume_from_checkpoint=resume_from_checkpoint,

@@ -106,3 +106,21 @@ def finish_distributed() -> bool:
         gc.collect()  # a group held only by reference cycles is destroyed now, while the interpreter is alive
         time.sleep(0.25)
     return uses_gloo
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """``value`` (any picklable object) of every rank of the default group, in rank order (``[value]`` on one
+    process): one collective, for verdicts every rank must share before it acts (a checkpoint's problems, its record).
+
+    Example:
+        ```python
+        problems = gather_objects(local_problems)   # every rank calls it, in the same order
+        ```
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered

@@ -1,7 +1,8 @@
 """The meshes GradAccTrainer refuses, by name: models sharded at load time by transformers' ``DistributedConfig``
 with pipeline parallelism or an expert-parallel layout not shown exact, accelerate's context parallelism outside
 FSDP2 (or beside tensor / sequence parallelism), and sequence parallelism outside DeepSpeed Ulysses (ZeRO-1/2;
-ZeRO-3 is refused in the DeepSpeed backend).
+ZeRO-3 is refused in the DeepSpeed backend). A model sharded at load time that saves checkpoints is told, when the
+trainer is built, that they cannot be resumed (:func:`warn_unresumable_checkpoints`).
 
 Apart from :mod:`hf_gradacc.backends.tensor_parallel` so that every backend's ``check_model`` and ``resolve_backend``
 can ask it without an import cycle.
@@ -12,8 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 from ..errors import UnsupportedBackendError
+
+logger = logging.get_logger(__name__)
 
 # Why each DistributedConfig field is refused (measured with transformers 5.24.0, accelerate 1.15.0, torch 2.13.0,
 # 2 gloo ranks on CPU, the stock Trainer; see docs/backends.md).
@@ -93,11 +97,12 @@ def uses_expert_parallelism(model: torch.nn.Module | None) -> bool:
     return config is not None and int(getattr(config, "ep_size", None) or 1) > 1
 
 
-def check_model_sharding(model: torch.nn.Module | None) -> Any | None:
+def check_model_sharding(model: torch.nn.Module | None, args: Any = None) -> Any | None:
     """Raise :class:`~hf_gradacc.UnsupportedBackendError` naming the field for a model sharded at load time with a
     parallelism GradAccTrainer does not train (``pp_size`` > 1; ``ep_size`` > 1 outside
     :func:`check_expert_parallel`'s layouts); return its ``DistributedConfig``
-    (None for a model not sharded by transformers).
+    (None for a model not sharded by transformers). With the trainer's ``args``, a run that saves checkpoints is
+    told that they cannot be resumed (:func:`warn_unresumable_checkpoints`).
 
     Example:
         ```python
@@ -107,6 +112,8 @@ def check_model_sharding(model: torch.nn.Module | None) -> Any | None:
     config = distributed_config_of(model)
     if config is None:
         return None
+    if args is not None:
+        warn_unresumable_checkpoints(config, args)
     for field_name, why in _REFUSED.items():
         size = int(getattr(config, field_name, None) or 1)
         if size > 1:
@@ -119,6 +126,37 @@ def check_model_sharding(model: torch.nn.Module | None) -> Any | None:
             )
     check_expert_parallel(config)
     return config
+
+
+def warn_unresumable_checkpoints(config: Any, args: Any) -> None:
+    """Warn, when the trainer is built, that the checkpoints of a model sharded at load time by ``config`` (a
+    ``DistributedConfig``) cannot be resumed, when ``args.save_strategy`` saves any: transformers checkpoints no
+    optimizer state for such a model (its Trainer refuses to save one without ``save_only_model=True``), and
+    ``resume_from_checkpoint`` refuses a checkpoint without it (:mod:`hf_gradacc.checkpoints`), after the run wrote
+    them all.
+
+    Example:
+        ```python
+        warn_unresumable_checkpoints(DistributedConfig(tp_size=2), args)   # a warning when args.save_strategy saves
+        ```
+    """
+    import transformers
+
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if strategy == "no":
+        return
+    sizes = {name: int(getattr(config, name, None) or 1) for name in ("tp_size", "ep_size", "fsdp_size", "dp_replicate_size")}
+    layout = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1) or "..."
+    logger.warning(
+        f"`save_strategy={strategy!r}` saves checkpoints that cannot be resumed: the model was sharded at load time "
+        f"(`DistributedConfig({layout})`), and transformers {transformers.__version__} saves no optimizer state for "
+        "such a model (its Trainer saves checkpoints of it only with `save_only_model=True`: the model weights, "
+        "gathered by `save_model`); `resume_from_checkpoint` refuses a checkpoint without its optimizer state (the "
+        "stock resume would restart the optimizer's moments silently). To go on from a checkpoint, load it with `from_pretrained(<checkpoint>, "
+        "distributed_config=...)` and train it as a new run without `resume_from_checkpoint` (the optimizer's "
+        "moments, the schedule and the data order start afresh); to keep only the trained model, set "
+        "`save_strategy='no'` and call `trainer.save_model()` at the end."
+    )
 
 
 def check_context_parallel(parallelism_config: Any, *, distributed_type: Any = None) -> None:

@@ -101,7 +101,7 @@ class TensorParallelBackend(FSDP2Backend):
 
     # ---- the mesh
     def check_model(self, model: torch.nn.Module) -> None:
-        config = check_model_sharding(model)
+        config = check_model_sharding(model, self.args)
         if config is None:
             raise UnsupportedBackendError(
                 f"accelerate set up tensor parallelism (`parallelism_config.tp_size` "

@@ -9,8 +9,11 @@ transformers' tensor-parallel Llama itself runs on gloo (measured 2026-11-26: th
 TP 2 x FSDP 2 once this one check lets it).
 
 The patch wraps ``_validate_accelerator`` and lets exactly that refusal pass when the state is MULTI_CPU and the
-config has no context / sequence parallelism (``cp_size`` / ``sp_size`` still need a device). Every other check of
-accelerate's stays. Delete this module once accelerate accepts MULTI_CPU (tested with accelerate 1.15.0).
+config is tensor parallel (``tp_size`` > 1, as the Trainer builds it for a ``DistributedConfig(tp_size=...)`` model)
+without context / sequence parallelism (``cp_size`` / ``sp_size`` still need a device). A config without ``tp_size``
+(an HSDP block under a DDP launch) stays refused as upstream refuses it. Every other check of accelerate's stays. Part
+of the CPU patch set :func:`hf_gradacc.patches.enable_cpu_distributed` (``HF_GRADACC_CPU_DISTRIBUTED=1``). Delete
+this module once accelerate accepts MULTI_CPU (tested with accelerate 1.15.0).
 
 Example:
     ```python
@@ -71,7 +74,8 @@ def enable_parallelism_on_cpu() -> bool:
             return original(self, accelerator)
         except ValueError as error:
             on_cpu = accelerator.distributed_type == DistributedType.MULTI_CPU
-            if not (on_cpu and _REFUSAL in str(error) and self.cp_size == 1 and self.sp_size == 1):
+            tensor_parallel_only = self.tp_size > 1 and self.cp_size == 1 and self.sp_size == 1
+            if not (on_cpu and _REFUSAL in str(error) and tensor_parallel_only):
                 raise
             logger.info("hf_gradacc.patches.parallelism_cpu: accepted a ParallelismConfig on MULTI_CPU (gloo).")
             return None

@@ -175,12 +175,29 @@ class StepEngine:
         self.grad_hooks.append((hook, local))
 
     def require_window(self, what: str) -> Window:
+        """The window in flight, for ``what`` (``training_step``, ``backward``), which runs only inside a micro-batch
+        of ``train()``: anywhere else a :class:`~hf_gradacc.GradAccUsageError` that says where it was called and
+        names the way out."""
         window = self.window
         if window is None or window.index is None:
+            where = "outside `trainer.train()`" if window is None else "between two micro-batches (a callback, a hook)"
+            if what == "backward":
+                way_out = (
+                    "`trainer.backward(loss, final=...)` is for a `training_step` override, which `trainer.train()` "
+                    "calls once per micro-batch; outside training call `loss.backward()` on your loss yourself"
+                )
+            else:
+                way_out = (
+                    "To train, call `trainer.train()`. For a one-off forward and backward pass outside training, "
+                    "`loss = trainer.compute_loss(trainer.model, batch)` is the batch's mean loss (as in `Trainer`; "
+                    "the batch's tensors on the model's device): call `loss.backward()` on it (not "
+                    "`transformers.Trainer.training_step(trainer, ...)`, which divides by `gradient_accumulation_steps` "
+                    "and fails before `train()`); `trainer.evaluate()` gives the loss alone"
+                )
             raise GradAccUsageError(
-                f"{what} runs inside a training step's micro-batch only: it is called by `trainer.train()` for each "
-                "micro-batch of an optimizer step. Call `trainer.train()`; to compute a loss outside training use "
-                "`trainer.compute_loss(model, inputs)` (a batch mean, as in evaluation) or `trainer.evaluate()`."
+                f"`{what}` was called {where}: it runs only inside a training step of `trainer.train()`, on a "
+                f"micro-batch of the optimizer step in flight, whose counts over the whole step normalise its loss. "
+                f"{way_out}."
             )
         return window
 

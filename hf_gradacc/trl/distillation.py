@@ -16,7 +16,9 @@ with unequal completion lengths); they differ where the window is not one genera
 epoch, a process count TRL did not generate for).
 
 Refused: regrouping and packing (the dataloader yields prompts), ``accumulation_schedule`` (TRL generates for a fixed
-number of micro-batches), ``auto_micro_batch`` and ``defer_normalization``.
+number of micro-batches), ``auto_micro_batch`` and ``defer_normalization``. A teacher of another vocabulary size than
+the student is refused as TRL refuses it, but as a :class:`~hf_gradacc.GradAccConfigError` before the Trainer is built
+when both are model objects (a model given as a path: TRL's ValueError, after loading it).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class GradAccDistillationTrainer(GradAccMixin, DistillationTrainer):
 
     Generation (transformers or vLLM), the teacher, TRL's chunked divergence (no full-vocabulary logits) and the
     logged metrics are TRL's. Refused with the field to change: regrouping and packing, ``accumulation_schedule``,
-    ``auto_micro_batch``, ``defer_normalization``.
+    ``auto_micro_batch``, ``defer_normalization``, a teacher of another vocabulary size (checked first, when both
+    models are objects).
 
     Example:
         ```python
@@ -79,6 +82,9 @@ class GradAccDistillationTrainer(GradAccMixin, DistillationTrainer):
     def __init__(self, *args: Any, gradacc_args: Any = None, **kwargs: Any) -> None:
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         check_args_class(config, DistillationConfig, GradAccDistillationConfig)
+        refuse_other_vocabulary(
+            kwargs.get("model", args[0] if args else None), kwargs.get("teacher_model", args[1] if len(args) > 1 else None)
+        )  # before TRL prepares the student, the Trainer and the accelerator
         super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
 
     def _setup_gradacc(self, gradacc_args: Any) -> None:
@@ -126,3 +132,30 @@ class GradAccDistillationTrainer(GradAccMixin, DistillationTrainer):
         generated = float(inputs["num_items_in_batch"].clamp(min=1.0)) / self.accelerator.num_processes
         term = LossTerm(total=out * generated, normalize_by="tokens")
         return (term, None) if return_outputs else term
+
+
+def _vocab_size(model: Any) -> int | None:
+    """The vocabulary size TRL compares (``config.get_text_config().vocab_size``) of a model object; None for a path
+    (TRL loads it, then compares)."""
+    config = None if isinstance(model, str) else getattr(model, "config", None)
+    if config is None:
+        return None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text_config, "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def refuse_other_vocabulary(student: Any, teacher: Any) -> None:
+    """The divergence compares the teacher's and the student's next-token distributions token id for token id: a
+    teacher of another vocabulary size is refused naming both sizes, as TRL refuses it, but before the Trainer is
+    built. A model given as a path is loaded by TRL, which then compares."""
+    student_size, teacher_size = _vocab_size(student), _vocab_size(teacher)
+    if student_size is None or teacher_size is None or student_size == teacher_size:
+        return
+    raise GradAccConfigError(
+        f"`teacher_model` has vocab_size {teacher_size} and the student (`model`) {student_size}: on-policy "
+        "distillation compares the teacher's next-token distribution with the student's token id for token id, over "
+        "one vocabulary. Pass a `teacher_model` with the student's vocabulary (vocab_size "
+        f"{student_size}, the same tokenizer), or use TRL's GOLD trainer (trl.experimental.gold) for distillation "
+        "across tokenizers (not made exact by hf_gradacc)."
+    )

@@ -15,7 +15,9 @@ then the window's ``z0``.
 
 Refused: regrouping and packing (TRL pairs each sample with its dataset neighbours' completion), ``auto_micro_batch``
 and ``defer_normalization`` (the estimate needs every micro-batch of the step before its first forward pass), and a
-mixture-of-experts router term (not tested for KTO).
+mixture-of-experts router term (not tested for KTO). ``per_device_train_batch_size=1`` with the ``"kto"`` loss (each
+sample would be paired with its own completion) is refused as TRL refuses it, but as a
+:class:`~hf_gradacc.GradAccConfigError` naming the field, before any model is loaded.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ __all__ = ["GradAccKTOConfig", "GradAccKTOTrainer"]
 # The window's KL estimate, one value per row of the micro-batch, carried in the micro-batch (taken out before TRL's
 # loss, which hands every other key to the model).
 KL_ESTIMATE_KEY = "gradacc_kl_estimate"
+# TRL's loss types without the KL estimate (TRL 1.16's `calculate_kl`): the only ones that run on one sample per
+# micro-batch.
+KTO_LOSSES_WITHOUT_KL = ("apo_zero_unpaired",)
 
 
 @dataclass
@@ -65,7 +70,8 @@ class GradAccKTOTrainer(GradAccMixin, KTOTrainer):
     TRL's loss types (``"kto"``, ``"apo_zero_unpaired"``), weights, reference model (``ref_model``, a PEFT adapter
     switched off, or ``precompute_ref_log_probs=True``), fused LM head and logged metrics are TRL's; the logged ``kl``
     is the step's estimate. Refused with the field to change: regrouping and packing, ``auto_micro_batch``,
-    ``defer_normalization``, a mixture-of-experts router term.
+    ``defer_normalization``, a mixture-of-experts router term, ``per_device_train_batch_size=1`` with the ``"kto"``
+    loss (checked first, before TRL loads a model).
 
     Example:
         ```python
@@ -80,7 +86,9 @@ class GradAccKTOTrainer(GradAccMixin, KTOTrainer):
     """
 
     def __init__(self, *args: Any, gradacc_args: Any = None, **kwargs: Any) -> None:
-        check_args_class(kwargs.get("args", args[2] if len(args) > 2 else None), KTOConfig, GradAccKTOConfig)
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        check_args_class(config, KTOConfig, GradAccKTOConfig)
+        refuse_single_sample_micro_batches(config)  # before TRL loads a model or a reference model
         self._kl_replies: Iterator[torch.Tensor] | None = None
         super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
 
@@ -181,6 +189,22 @@ class GradAccKTOTrainer(GradAccMixin, KTOTrainer):
         loss, outputs = split_outputs(out, return_outputs)
         samples = LossTerm(total=loss * window.current_counts.num_samples, normalize_by="samples")
         return with_outputs(samples, return_outputs, outputs)
+
+
+def refuse_single_sample_micro_batches(args: Any) -> None:
+    """TRL pairs each sample with the completion of its neighbour in the same micro-batch for the KL estimate: one
+    sample per micro-batch pairs it with its own completion. Refused with the field to change, as TRL refuses it, but
+    before any model is loaded (TRL checks after loading the policy)."""
+    if args is None or args.loss_type in KTO_LOSSES_WITHOUT_KL or args.per_device_train_batch_size > 1:
+        return
+    raise GradAccConfigError(
+        f"`per_device_train_batch_size` is {args.per_device_train_batch_size} with KTO's loss_type "
+        f"{args.loss_type!r}: TRL pairs each sample with the completion of its neighbour in the same micro-batch "
+        "(`KL_completion_ids`) for the KL estimate `z0`, so with one sample per micro-batch each sample is paired with "
+        "its own completion and `z0` is its implied reward, not a KL estimate. Set `per_device_train_batch_size` to 2 "
+        "or more (and lower `gradient_accumulation_steps` to keep the samples per optimizer step: the step is the "
+        "same full-batch step in any split), or use `loss_type='apo_zero_unpaired'`, which has no KL estimate."
+    )
 
 
 def window_kl_estimate(total: torch.Tensor, count: int, all_gather: Any, device: Any) -> float:

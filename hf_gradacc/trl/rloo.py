@@ -12,7 +12,9 @@ completions (``LossTerm(mean x rows, "samples")``), counted over every process, 
 ``num_iterations``.
 
 Refused: regrouping and packing (the dataloader yields prompts), ``accumulation_schedule``, ``auto_micro_batch``,
-``defer_normalization`` and a mixture-of-experts router term (not tested for RLOO).
+``defer_normalization`` and a mixture-of-experts router term (not tested for RLOO). ``num_generations`` below 2 (no
+other completion of the prompt for the baseline) is refused by :class:`GradAccRLOOConfig` when it is built, naming the
+field; TRL's own ``RLOOConfig`` refuses 1 with its ValueError.
 """
 
 from __future__ import annotations
@@ -48,7 +50,26 @@ class GradAccRLOOConfig(GradAccArguments, RLOOConfig):
         args = GradAccRLOOConfig(output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=4,
                                  num_generations=4, steps_per_generation=8)
         ```
+
+    ``num_generations`` below 2 is refused here, before TRL's own checks (whose divisibility test divides by it), as a
+    :class:`~hf_gradacc.GradAccConfigError` naming the field.
     """
+
+    def __post_init__(self) -> None:
+        refuse_single_generation(self.num_generations)
+        super().__post_init__()
+
+
+def refuse_single_generation(num_generations: Any) -> None:
+    """RLOO's baseline of a completion is the mean reward of the OTHER completions of its prompt: every prompt needs
+    2 or more. Refused naming the field (TRL's RLOOConfig refuses 1 without naming it, and 0 divides by zero)."""
+    if isinstance(num_generations, int) and num_generations < 2:
+        raise GradAccConfigError(
+            f"`num_generations` is {num_generations}: RLOO's baseline for a completion is the mean reward of the OTHER "
+            "completions of its prompt, so every prompt needs at least 2. Set `num_generations` to 2 or more (the "
+            "generation batch, `per_device_train_batch_size` x processes x `steps_per_generation`, must be divisible "
+            "by it)."
+        )
 
 
 class GradAccRLOOTrainer(GradAccMixin, RLOOTrainer):

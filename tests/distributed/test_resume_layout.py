@@ -28,7 +28,7 @@ from tests.distributed.workers.resume_layout_cases import NUM_SAMPLES, train_run
 
 WORKER = Path(__file__).resolve().parent / "workers" / "resume_layout_cases.py"
 NODE_LOCAL = Path(__file__).resolve().parent / "workers" / "node_local_cases.py"
-LAYOUT_WARNING = "had trained the first"  # the one warning of a resume by samples (run_plan.resumed_start)
+LAYOUT_WARNING = "had trained the first"  # the one warning of a resume by samples (RunPlan.resumed_start)
 
 pytestmark = [pytest.mark.distributed]
 

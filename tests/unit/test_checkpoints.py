@@ -20,6 +20,7 @@ import torch
 from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccTrainer
 from hf_gradacc import checkpoints as ckpt
 from hf_gradacc.checkpoints import COMPLETE_NAME, SAVING_NAME, checkpoint_problems, latest_complete_checkpoint
+from hf_gradacc.errors import GradAccDistributedError
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
 
@@ -275,3 +276,107 @@ def test_another_ranks_record_is_overruled_by_rank_0s_or_refused_at_another_step
     monkeypatch.setattr(ckpt, "_gathered", lambda value: [value, (record, step + 1)])
     with pytest.raises(GradAccConfigError, match=f"rank 0's folder holds step {step} and rank 1's step {step + 1}"):
         ckpt._rank_zero_record(folder)
+
+
+def test_the_record_counts_the_data_ranks_so_a_changed_cp_size_on_the_same_processes_is_seen(saved, tmp_path, monkeypatch) -> None:
+    """cp 2 on 2 processes holds 1 data rank: the record says ``data_parallel_size`` 1 beside ``world_size`` 2, and a
+    checkpoint recorded so, resumed with cp 1 on the same 2 processes, names the change (the world size alone would
+    not show it)."""
+    out, _ = saved
+    trainer = _trainer(str(tmp_path / "run"))
+    monkeypatch.setattr(type(trainer.args), "world_size", property(lambda self: 2))
+    monkeypatch.setattr(trainer, "get_cp_size", lambda: 2, raising=False)
+    record = ckpt.data_layout(trainer)
+    assert (record["world_size"], record["data_parallel_size"]) == (2, 1), record
+    folder = tmp_path / "checkpoint-1"
+    shutil.copytree(os.path.join(out, "checkpoint-1"), folder)
+    saved_record = json.load(open(folder / ckpt.DATA_NAME))
+    json.dump({**saved_record, "world_size": 2, "data_parallel_size": 1}, open(folder / ckpt.DATA_NAME, "w"))
+    monkeypatch.setattr(trainer, "get_cp_size", lambda: 1)
+    point = ckpt.check_data_layout(str(folder), ckpt.data_layout(trainer))
+    assert point is not None and point.changed == ("data_parallel_size 1 -> 2",), point
+
+
+def _failing_save(monkeypatch, error: RuntimeError, at: str) -> None:
+    """``torch.save`` raises ``error`` when it writes a file whose path holds ``at`` (the Trainer's optimizer.pt)."""
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if at in str(f):
+            raise error
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_a_ranks_own_failure_in_a_save_is_raised_as_itself_not_as_a_lost_peer(tmp_path, monkeypatch) -> None:
+    """torch.save on a full disk raises its own RuntimeError on the rank that writes: that error, not the lost-peer
+    GradAccDistributedError (which would send the user to another rank's log), and the folder stays incomplete."""
+    full_disk = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+                             "data/0: file write failed")  # fmt: skip
+    _failing_save(monkeypatch, full_disk, at=os.path.join("checkpoint-2", "optimizer.pt"))
+    with pytest.raises(RuntimeError) as info:
+        _trainer(str(tmp_path)).train()
+    assert info.value is full_disk, repr(info.value)
+    assert not os.path.exists(tmp_path / "checkpoint-2" / COMPLETE_NAME)
+    assert latest_complete_checkpoint(str(tmp_path)).endswith("checkpoint-1")
+
+
+def test_a_save_that_loses_its_peer_names_the_newest_complete_checkpoint(tmp_path, monkeypatch) -> None:
+    """A collective failure while checkpoint-3 is saved (a peer died): the GradAccDistributedError names the folder
+    left incomplete and the checkpoint the next resume takes, checkpoint-2, the newest complete one (not checkpoint-1)."""
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500")
+    _failing_save(monkeypatch, lost, at=os.path.join("checkpoint-3", "optimizer.pt"))
+    with pytest.raises(GradAccDistributedError) as info:
+        _trainer(str(tmp_path)).train()
+    message = str(info.value)
+    assert f"takes the previous complete one, {tmp_path / 'checkpoint-2'}" in message, message
+    assert "checkpoint-1" not in message and f"{tmp_path / 'checkpoint-3'} is left incomplete" in message, message
+    assert info.value.__cause__ is lost
+
+
+def _sharded_at_load(**sizes) -> torch.nn.Module:
+    """A tiny model marked as sharded at load time (what ``from_pretrained(distributed_config=...)`` sets)."""
+    from transformers.distributed import DistributedConfig
+
+    model = build_tiny_model("causal_lm")
+    model.config.distributed_config = DistributedConfig(**sizes)
+    model._is_distributed_loading_by_transformers = True
+    return model
+
+
+@pytest.mark.parametrize("save_strategy, sharded, warned", [("steps", True, True), ("epoch", True, True),
+                                                            ("no", True, False), ("steps", False, False)])  # fmt: skip
+def test_a_model_sharded_at_load_time_is_told_at_construction_its_checkpoints_cannot_be_resumed(
+    tmp_path, caplog, save_strategy, sharded, warned
+) -> None:
+    """transformers saves no optimizer state for a model sharded at load time (its Trainer saves checkpoints of it
+    only with ``save_only_model=True``) and the resume refuses such a checkpoint: said when the trainer is built,
+    with the way out, not after the run wrote them all."""
+    model = _sharded_at_load() if sharded else build_tiny_model("causal_lm")
+    args = one_step_args(str(tmp_path), args_class=GradAccConfig, per_device_train_batch_size=BS,
+                         gradient_accumulation_steps=GA, save_strategy=save_strategy, save_only_model=True)  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        GradAccTrainer(model=model, args=args, train_dataset=ListDataset(make_samples("causal_lm", 4)),
+                       data_collator=PaddingCollator())  # fmt: skip
+    found = [r.getMessage() for r in caplog.records if "saves checkpoints that cannot be resumed" in r.getMessage()]
+    assert len(found) == int(warned), found
+    if warned:
+        for part in (f"`save_strategy={save_strategy!r}`", "sharded at load time", "from_pretrained(<checkpoint>",
+                     "without `resume_from_checkpoint`", "`save_strategy='no'`", "trainer.save_model()"):  # fmt: skip
+            assert part in found[0], (part, found[0])
+
+
+def test_the_warning_names_the_load_time_layout(caplog) -> None:
+    from types import SimpleNamespace
+
+    from hf_gradacc.backends.sharded_model import check_model_sharding
+
+    model = torch.nn.Linear(2, 2)
+    model.config = _sharded_at_load(tp_size=2, fsdp_size=2).config
+    model._is_distributed_loading_by_transformers = True
+    with caplog.at_level(logging.WARNING):
+        check_model_sharding(model, SimpleNamespace(save_strategy="steps"))
+        check_model_sharding(model)  # without the trainer's args: no warning
+    found = [r.getMessage() for r in caplog.records if "cannot be resumed" in r.getMessage()]
+    assert len(found) == 1 and "`DistributedConfig(tp_size=2, fsdp_size=2)`" in found[0], found

@@ -30,7 +30,12 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.trainer_callback import TrainerState
 
 from hf_gradacc import GradAccConfig, GradAccTrainer, LossTerm
-from hf_gradacc.backends.context_parallel import ContextParallel, check_micro_batch, context_parallel_for
+from hf_gradacc.backends.context_parallel import (
+    ContextParallel,
+    check_micro_batch,
+    check_sequence_parallel_shard,
+    context_parallel_for,
+)
 from hf_gradacc.backends.mesh import Mesh
 from hf_gradacc.backends.sharded_model import check_context_parallel
 from hf_gradacc.checkpoints import DATA_NAME, POSITION_KEY, check_data_layout, data_parallel_size
@@ -39,6 +44,7 @@ from hf_gradacc.errors import GradAccConfigError, GradAccDataError, GradAccLossE
 from hf_gradacc.fused.choice import FusedPolicy
 from hf_gradacc.heads import Head
 from hf_gradacc.step.engine import LossSource
+from hf_gradacc.step.window import Window
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.reference import compare, float64_copy, full_batch_loss, reference_gradients
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, make_samples
@@ -483,6 +489,42 @@ def test_cp_eval_loss_fails_with_shard_means():
     assert all(abs(r / reference - 1) > 1e-3 for r in results), (results, reference)  # exact: 1e-6
 
 
+def test_cp_eval_batch_mean_adds_up_its_own_cp_group_only():
+    """dp 2 x cp 2 (4 ranks, two cp groups, each evaluating its own batch; the collective runs over every rank): each
+    rank's ``batch_mean`` is its OWN batch's mean over whole sequences (the float64 unsharded loss), from its group's
+    rows only. Summing every rank's rows would give both groups the mean over both batches."""
+    from hf_gradacc.backends.context_parallel import context_parallel_indices
+    from hf_gradacc.builtin_loss import MAIN_TERM
+
+    model = peaked_model()
+    batches = [PaddingCollator()(make_samples("causal_lm", EVAL_BS, seed=s)) for s in (7, 8)]  # data ranks 0, 1
+    with torch.no_grad():
+        references = [float(full_batch_loss(float64_copy(model), b, "causal_lm")) for b in batches]
+    assert abs(references[0] / references[1] - 1) > 1e-2, references  # a mix of the two is far from either
+    head, exchange, results = Head(type="causal_lm"), Exchange(4), [None] * 4
+
+    def rank(r):
+        group, cp_rank = divmod(r, 2)  # accelerate's mesh: the cp ranks of a data rank are neighbours
+        cp = ContextParallel(size=2, rank=cp_rank, group_ranks=(2 * group, 2 * group + 1))
+        padded = cp.pad(batches[group])
+        view = cp.count_view(batches[group])
+        index = context_parallel_indices(padded["input_ids"].shape[1], 2, cp_rank)
+        with torch.no_grad():  # ring attention's result: the whole sequence's logits at this rank's positions
+            logits = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
+        total = head.sum_loss(logits.index_select(1, index), view["labels"], view["shift_labels"])
+        terms = {MAIN_TERM: LossTerm(total=total, normalize_by="tokens")}
+        counts = Counter(head).count_batch(view)
+        results[r] = float(cp.batch_mean(terms, counts, "tokens", lambda t: exchange.all_gather(r, t)))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    expected = [references[0], references[0], references[1], references[1]]
+    assert results == pytest.approx(expected, rel=1e-5), (results, expected)
+
+
 def test_cp_eval_with_logits_is_refused_by_name():
     model = build_tiny_model("causal_lm")
     samples = make_samples("causal_lm", 4, seed=7)
@@ -561,3 +603,131 @@ def test_a_change_of_cp_size_on_the_same_processes_resumes_by_samples(tmp_path):
     TrainerState(global_step=2).save_to_json(str(tmp_path / "trainer_state.json"))
     point = check_data_layout(str(tmp_path), {**layout, "data_parallel_size": 2})
     assert point is not None and (point.num_samples, point.changed) == (8, ("data_parallel_size 1 -> 2",)), point
+
+
+# ---------------------------------------------------------------------------------------------- Ulysses: left padding
+def ulysses_slices(batch: dict, sp: int) -> list[dict]:
+    """The slice each of ``sp`` sequence ranks gets from DeepSpeed's own ``UlyssesSPDataLoaderAdapter`` when every
+    rank's loader yields ``batch`` (its collectives answered in one process: each rank's gather returns ``batch``)."""
+    ulysses = pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
+
+    class OneProcess:  # deepspeed.comm as the adapter calls it, every rank holding the same batch
+        @staticmethod
+        def all_gather(out, tensor, group=None):
+            for slot in out:
+                slot.copy_(tensor)
+
+        @staticmethod
+        def all_gather_object(out, value, group=None):
+            out[:] = [value] * len(out)
+
+    slices = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ulysses, "dist", OneProcess)
+        for rank in range(sp):
+            adapter = ulysses.UlyssesSPDataLoaderAdapter([{k: v.clone() for k, v in batch.items()}], sp_rank=rank,
+                                                         sp_group=None, sp_world_size=sp, device="cpu")  # fmt: skip
+            slices.append(next(adapter))  # the first micro-batch: this rank's slice of rank 0's batch
+    return slices
+
+
+def ulysses_batch(lengths: list[int], width: int, *, left: bool) -> dict:
+    """Rows of ``lengths`` tokens padded to ``width`` (right, or left as ``padding_side="left"``), with the mask and
+    ``position_ids`` 0 .. width - 1 (Ulysses needs them)."""
+    samples = [{"input_ids": [3 + (i * 7 + j) % 20 for j in range(n)], "labels": [-100] * min(2, n) +
+                [3 + (i * 7 + j) % 20 for j in range(2, n)]} for i, n in enumerate(lengths)]  # a masked prompt
+    batch = PaddingCollator()(samples)
+    extra = width - batch["input_ids"].shape[1]
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+    batch = {k: torch.nn.functional.pad(v, (0, extra), value=fill[k]) for k, v in batch.items()}
+    if left:
+        pads = (batch["attention_mask"] == 0).sum(1).tolist()
+        batch = {k: torch.stack([row.roll(n) for row, n in zip(v, pads, strict=True)]) for k, v in batch.items()}
+    batch["position_ids"] = torch.arange(width).expand(len(lengths), -1).clone()
+    return batch
+
+
+def _refusing_ranks(slices: list[dict], sp: int) -> list[int]:
+    refused = []
+    for rank, piece in enumerate(slices):
+        try:
+            check_sequence_parallel_shard(piece, sp_size=sp, sp_rank=rank)
+        except GradAccDataError as error:
+            assert "padding_side" in str(error) and f"sp_size` {sp}" in str(error), error
+            refused.append(rank)
+    return refused
+
+
+# rows' lengths in a 16-wide batch: mixed; a left padding of exactly one slice (sp 2: 8) or of whole slices (sp 4:
+# 4, 8, 12), which no rank sees as a rise of its mask: sequence rank 0 sees its rows start with padding
+ULYSSES_LENGTHS = [[16, 9, 3], [8, 16], [12, 4, 16], [1, 15, 16]]
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("lengths", ULYSSES_LENGTHS, ids=str)
+def test_ulysses_slices_of_a_left_padded_batch_are_refused_right_padded_pass(sp, lengths):
+    """The check on the slices DeepSpeed's adapter hands out: every left-padded batch refused by at least one rank
+    (always by sequence rank 0, whose rows start with padding), no right-padded one by any."""
+    right = ulysses_slices(ulysses_batch(lengths, 16, left=False), sp)
+    assert [s["input_ids"].shape[1] for s in right] == [16 // sp] * sp and "shift_labels" in right[0]
+    assert _refusing_ranks(right, sp) == []
+    refused = _refusing_ranks(ulysses_slices(ulysses_batch(lengths, 16, left=True), sp), sp)
+    assert refused and refused[0] == 0, refused
+
+
+def test_ulysses_check_needs_a_mask_and_refuses_a_row_without_tokens():
+    batch = ulysses_batch([16, 5], 16, left=True)
+    check_sequence_parallel_shard({k: v for k, v in batch.items() if k != "attention_mask"}, sp_size=2, sp_rank=0)
+    empty = {"attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]])}
+    check_sequence_parallel_shard(empty, sp_size=2, sp_rank=1)  # a later slice of right padding
+    with pytest.raises(GradAccDataError, match=r"row\(s\) \[1\]"):
+        check_sequence_parallel_shard(empty, sp_size=2, sp_rank=0)
+    with pytest.raises(GradAccDataError, match=r"row\(s\) \[0\].*sequence rank 1"):  # a hole inside a later slice
+        check_sequence_parallel_shard({"attention_mask": torch.tensor([[1, 0, 1, 1], [1, 1, 0, 0]])}, sp_size=2, sp_rank=1)
+    with pytest.raises(GradAccConfigError, match="sp_size"):
+        ContextParallel(size=1, rank=0, sp_size=2, sp_rank=2)
+
+
+def test_a_left_padded_slice_on_one_sequence_rank_stops_every_rank():
+    """Left padding of exactly one slice: only sequence rank 0 sees it. Its refusal, raised where the window counts,
+    reaches the other rank through the step's count collective: rank 0 raises its own GradAccDataError naming left
+    padding, rank 1 one naming rank 0, both before any forward (neither waits in a later collective)."""
+    slices = ulysses_slices(ulysses_batch([8, 8], 16, left=True), 2)
+    assert _refusing_ranks(slices, 2) == [0]
+    exchange = Exchange(2)
+    head = Head(type="causal_lm")
+    errors: list[BaseException | None] = [None, None]
+
+    def rank(r):
+        counter = Counter(head, cp=ContextParallel(size=1, rank=0, sp_size=2, sp_rank=r))
+        try:
+            Window.prefetched([slices[r]], count=counter.count,
+                              all_gather=lambda t: exchange.all_gather(r, t), device="cpu", dp_world_size=1)  # fmt: skip
+        except BaseException as error:  # noqa: BLE001 - handed back to the main thread
+            errors[r] = error
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert isinstance(errors[0], GradAccDataError) and "left padding" in str(errors[0]), errors
+    assert isinstance(errors[1], GradAccDataError) and "Rank(s) [0]" in str(errors[1]), errors
+    # without the sequence-parallel check the same slices count without a word
+    plain = Counter(head, cp=ContextParallel(size=1, rank=0))
+    assert sum(plain.count(s).num_tokens for s in slices) > 0
+
+
+def test_context_parallel_for_places_a_rank_in_its_ulysses_group(monkeypatch):
+    import torch.distributed as dist
+
+    trainer = _fake_trainer()
+    trainer["accelerator"].parallelism_config.cp_size = 1
+    assert context_parallel_for(**trainer)[0].sp_size == 1  # no backend with Ulysses: nothing to check
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    places = []
+    for global_rank in range(4):
+        monkeypatch.setattr(dist, "get_rank", lambda *a, _r=global_rank, **k: _r)
+        cp, _ = context_parallel_for(**trainer, sequence_parallel_size=2)
+        places.append((cp.size, cp.sp_size, cp.sp_rank))
+    assert places == [(1, 2, 0), (1, 2, 1), (1, 2, 0), (1, 2, 1)]  # DeepSpeed's groups: ranks (0, 1), (2, 3)

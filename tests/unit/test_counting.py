@@ -1,5 +1,6 @@
 """The counting rule, pure: which mesh dimensions a step's counts add up over and the loss scale (the mesh's answer,
-hf_gradacc.backends.mesh), and a context-parallel shard's count, loss sum and gradient against the unsharded run.
+hf_gradacc.backends.mesh, and the tensor-parallel backend's loss scale against it), and a context-parallel shard's
+count, loss and gradient against the unsharded run.
 
 Exactness is against hf_gradacc/testing/reference.py (float64, full batch, no code shared with the trainer):
 relative gradient error <= 1e-5 in float32, mixed lengths, heavy padding, masked prompts.
@@ -17,6 +18,7 @@ from hf_gradacc.backends.mesh import COPY_DIMS, COUNTED_DIMS, Mesh
 from hf_gradacc.counting import count_micro_batch
 from hf_gradacc.errors import GradAccConfigError, GradAccDataError
 from hf_gradacc.heads import Head
+from hf_gradacc.loss import normalize
 from hf_gradacc.testing.reference import compare, reference_gradients
 from hf_gradacc.testing.tiny import PaddingCollator, build_tiny_model, make_samples
 
@@ -51,6 +53,14 @@ def test_mesh_of_reads_the_backends_mesh():
     mesh = Mesh(backend="FSDP2", world_size=4, dp_shard=2, tp=2)
     rule = Mesh.of(mesh)
     assert (rule.count_group_size, rule.copies, rule.world_size) == (mesh.count_group_size, 2, mesh.world_size)
+
+
+@pytest.mark.parametrize(("mesh", "dims", "group", "scale", "copies"), RULES, ids=[str(r[0]) for r in RULES])
+def test_the_backends_mesh_counts_over_the_rules_group(mesh, dims, group, scale, copies):
+    """`Mesh.count_group_size` (the mesh object's answer to "which ranks count") is the rule's count group on every
+    mesh: data x context x sequence shards (Ulysses' `sp` included), never the tensor / pipeline copies."""
+    backend_mesh = Mesh(world_size=group * copies, **mesh)
+    assert backend_mesh.count_group_size == group == Mesh.of(backend_mesh).count_group_size
 
 
 @pytest.mark.parametrize(
@@ -142,6 +152,49 @@ def test_simulated_mesh_step_is_the_full_batch_step(task, mesh):
         assert ratio == pytest.approx(rule.copies, rel=1e-4)
 
 
+TP_MESHES = [  # DistributedConfig sizes -> the mesh the simulated step runs on
+    ({"tp_size": 2, "dp_replicate_size": 2, "fsdp_size": 2}, {"dp_replicate": 2, "dp_shard": 2, "tp": 2}),
+    ({"tp_size": 2, "dp_replicate_size": 2}, {"dp_replicate": 2, "tp": 2}),
+    ({"tp_size": 2, "fsdp_size": 2}, {"dp_shard": 2, "tp": 2}),
+]
+
+
+@pytest.mark.parametrize(("sizes", "mesh"), TP_MESHES, ids=[str(m[1]) for m in TP_MESHES])
+def test_the_tensor_parallel_backends_loss_scale_makes_the_step_exact(sizes, mesh):
+    """The loss scale the tensor-parallel backend gives the step (``dp_world_size``: before the model is checked from
+    accelerate's ``parallelism_config``, after it from the model's ``DistributedConfig``) is its data group, replicas
+    included: with it the simulated step is the full batch's. Half of it (the replicas left out) gives half the
+    gradient."""
+    from accelerate.utils import DistributedType
+    from transformers.distributed import DistributedConfig
+
+    from hf_gradacc.backends.tensor_parallel import TensorParallelBackend, data_group_ranks
+    from hf_gradacc.testing.one_step import one_step_args
+
+    config = SimpleNamespace(tp_size=sizes["tp_size"], dp_shard_size=sizes.get("fsdp_size", 1),
+                             dp_replicate_size=sizes.get("dp_replicate_size", 1), cp_size=1, sp_size=1)
+    config.total_size = config.tp_size * config.dp_shard_size * config.dp_replicate_size
+    accelerator = SimpleNamespace(parallelism_config=config, num_processes=config.total_size,
+                                  distributed_type=DistributedType.MULTI_CPU)
+    args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    scales = [TensorParallelBackend(accelerator, args).mesh.dp_world_size]  # accelerate's mesh, before the model
+    sharded = torch.nn.Linear(2, 2)
+    sharded.config = SimpleNamespace(distributed_config=DistributedConfig(**sizes))
+    sharded._is_distributed_loading_by_transformers = True
+    backend = TensorParallelBackend(accelerator, args, model=sharded)
+    backend.check_model(sharded)  # no process group here: the data group is not built, the sizes are read
+    scales.append(backend.mesh.dp_world_size)
+    data = mesh.get("dp_replicate", 1) * mesh.get("dp_shard", 1)
+    assert scales == [data, data] and len(data_group_ranks(backend._sizes, 0)[0]) == data
+
+    model = build_tiny_model("causal_lm")
+    samples = make_samples("causal_lm", 16, seed=3)
+    reference = reference_gradients(model, samples, "causal_lm", PaddingCollator())
+    rule = SimpleNamespace(count_group_size=Mesh.of(mesh).count_group_size, dp_world_size=backend.mesh.dp_world_size)
+    grads, _ = _simulated_step(model, samples, "causal_lm", mesh, rule=rule)
+    assert compare(grads, reference).relative_error <= TOLERANCE
+
+
 # ---------------------------------------------------------------------------------------------- context parallelism
 def test_context_parallel_layout_is_torchs_head_tail_load_balancer():
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
@@ -172,27 +225,48 @@ def test_context_parallel_shards_count_the_whole_sequence_once():
         assert naive != whole
 
 
+# float32 rounding between the sharded and the unsharded run of the same model (the shards' sums are added in another
+# order), norm-relative (||sharded - whole|| / ||whole||): measured over 12 seeds x cp 2 and 4 x 1 and 2 threads on a
+# 2-core CPU, worst 1.1e-07 for the mean loss and 3.1e-07 for any one parameter's gradient (1.3e-07 for the whole
+# gradient); the bounds are 10x that. Elementwise bounds do not fit: entries near zero are off by up to 4.7e-02
+# relative on that same run (1.5e-07 absolute against an atol of 1e-07 failed on some machines). A count 1 % too
+# large is 9.9e-03 off in both, far outside.
+LOSS_BOUND = 1.1e-06
+GRAD_BOUND = 3.1e-06
+
+
+def _norm_relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_loss_sum_and_gradient_equal_the_unsharded_run(cp):
+    """The micro-batch's mean loss and its gradient from the cp shards (each shard's sum over its targets, normalised
+    by the library's rule with the count summed over the shards) equal the unsharded run's (its sum over every target
+    divided by its count, written out), to float32 rounding measured above."""
     model = build_tiny_model("causal_lm")
     head = Head(type="causal_lm")
     batch = _pad_to(PaddingCollator()(make_samples("causal_lm", 6, seed=2)), 2 * cp)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     model.zero_grad()
-    whole = head.sum_loss(model(**inputs).logits, batch["labels"])
+    whole_count = int((batch["labels"][:, 1:] != -100).sum())
+    whole = head.sum_loss(model(**inputs).logits, batch["labels"]) / whole_count
     whole.backward()
     whole_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
+    shards = [context_parallel_shard(batch, cp, rank) for rank in range(cp)]
+    count = sum(count_micro_batch(shard, "causal_lm").num_tokens for shard in shards)
+    assert count == whole_count
     sharded = torch.zeros(())
-    for rank in range(cp):
-        shard = context_parallel_shard(batch, cp, rank)
+    for rank, shard in enumerate(shards):
         index = context_parallel_indices(batch["input_ids"].shape[1], cp, rank)
         piece = head.sum_loss(model(**inputs).logits.index_select(1, index), shard["labels"], shard["shift_labels"])
+        piece = normalize(piece, count, dp_world_size=1)  # the shards' gradients summed here: no average to undo
         piece.backward()
         sharded = sharded + piece.detach()
-    torch.testing.assert_close(sharded, whole.detach(), rtol=1e-6, atol=0)
-    for name, grad in whole_grads.items():
-        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-5, atol=1e-7)
+    assert _norm_relative(sharded, whole.detach()) <= LOSS_BOUND
+    errors = {n: _norm_relative(p.grad, whole_grads[n]) for n, p in model.named_parameters()}
+    assert max(errors.values()) <= GRAD_BOUND, max(errors.items(), key=lambda e: e[1])
 
 
 def test_context_parallel_shift_inside_a_shard_is_not_exact():

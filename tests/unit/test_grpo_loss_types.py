@@ -122,6 +122,61 @@ def test_one_count_off_by_one_fails(tmp_path, monkeypatch, loss_type: str, kind:
     assert error > 100 * TOL, error
 
 
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
+def test_tool_tokens_are_left_out_of_the_policy_sum_its_normaliser_and_the_entropy_bonus(loss_type: str) -> None:
+    """A micro-batch whose completions hold tool-result tokens (``tool_mask`` 0): TRL's loss leaves them out
+    (``completion_mask x tool_mask``), so GradAccGRPOTrainer's terms do too: the policy term's token sum (for bnpo
+    through TRL's per-micro-batch normaliser, undone with the tool-masked token count), and the entropy bonus's sum.
+    Written out here at ratio 1 (no old log-probabilities: the per-token loss is ``-A``) and from a float64 copy of
+    the policy (positions from 0, no padding)."""
+    import torch
+
+    from hf_gradacc.counting import MicroBatchCounts
+    from hf_gradacc.step.window import Window
+    from hf_gradacc.testing.grpo_steps import (
+        completion_logps_and_entropies,
+        grpo_prompts,
+        grpo_tokenizer,
+        length_reward,
+    )
+    from hf_gradacc.testing.one_step import one_step_args
+    from hf_gradacc.testing.reference import float64_copy
+    from hf_gradacc.trl import GradAccGRPOConfig, GradAccGRPOTrainer
+
+    coef, steps = 0.1, 2
+    policy = build_tiny_policy(0)
+    reference = float64_copy(policy)  # before a trainer replaces the policy's forward (TRL's fused head)
+    args = one_step_args(args_class=GradAccGRPOConfig, per_device_train_batch_size=2, gradient_accumulation_steps=steps,
+                         num_generations=2, max_completion_length=4, loss_type=loss_type, entropy_coef=coef, beta=0.0,
+                         bf16=False, use_cpu=True, report_to=[])  # fmt: skip
+    trainer = GradAccGRPOTrainer(model=policy, reward_funcs=length_reward, args=args, train_dataset=grpo_prompts(8),
+                                 processing_class=grpo_tokenizer())  # fmt: skip
+    prompts, completions = [[5, 6], [4, 4, 7]], [[3, 1], [5, 6, 7, 1]]
+    inputs = {
+        "prompt_ids": torch.tensor([[0, 5, 6], [4, 4, 7]]),  # left-padded, as TRL's generation pads them
+        "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+        "completion_ids": torch.tensor([[3, 1, 0, 0], [5, 6, 7, 1]]),
+        "completion_mask": torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]),
+        "tool_mask": torch.tensor([[1, 1, 1, 1], [1, 0, 0, 1]]),  # row 1: a tool's result at positions 1 and 2
+        "advantages": torch.tensor([0.5, -1.0]),
+        "num_items_in_batch": torch.tensor(4.0 * steps),  # dapo: the generation batch's tokens (2 steps per generation)
+    }
+    loss_mask = (inputs["completion_mask"] * inputs["tool_mask"]).double()
+    window = Window.prefetched([inputs], count=lambda _b: MicroBatchCounts(num_tokens=4, num_samples=2),
+                               all_gather=lambda t: t.unsqueeze(0), device="cpu", dp_world_size=1)  # fmt: skip
+    window.index = 0
+    trainer.step_engine.window, trainer.current_gradient_accumulation_steps = window, steps
+    trainer.model.train()
+    terms = trainer.compute_loss(trainer.model, inputs)
+    policy_sum = -(inputs["advantages"].double().unsqueeze(1) * loss_mask).sum()
+    with torch.no_grad():
+        entropies = [completion_logps_and_entropies(reference, p, c)[1] for p, c in zip(prompts, completions)]
+    entropy_sum = sum((e * loss_mask[i, : len(e)]).sum() for i, e in enumerate(entropies))
+    assert float(loss_mask.sum()) == 4 < float(inputs["completion_mask"].sum())  # tool tokens would make it 6
+    assert float(terms["policy"].total.detach()) == pytest.approx(float(policy_sum), rel=1e-5)
+    assert float(terms["entropy"].total.detach()) == pytest.approx(float(-coef * entropy_sum), rel=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- the command
 def test_check_trainer_grpo_prints_one_row_per_loss_type(tmp_path, capsys) -> None:
     """``hf-gradacc check --trainer grpo --loss-type dapo luspo`` (GA 2, so steps_per_generation 4): one row each,

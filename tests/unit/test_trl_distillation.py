@@ -145,3 +145,35 @@ def test_what_distillation_cannot_make_exact_is_refused(tmp_path, models, knob, 
     with pytest.raises(GradAccConfigError, match=match):
         GradAccDistillationTrainer(model=copy.deepcopy(models[0]), teacher_model=models[1], args=args,
                                    train_dataset=grpo_prompts(16), processing_class=grpo_tokenizer())  # fmt: skip
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_a_teacher_of_another_vocabulary_is_refused_before_trl_builds_anything(tmp_path, models, monkeypatch,
+                                                                               positional) -> None:  # fmt: skip
+    """Issue 36: TRL's own ValueError comes after `Trainer.__init__` (the student prepared, the accelerator built);
+    here a GradAccConfigError (a ValueError) naming both sizes and `teacher_model`, before TRL's __init__ runs."""
+
+    def trl_init(*args, **kwargs):
+        raise AssertionError("TRL's DistillationTrainer.__init__ ran before the refusal")
+
+    monkeypatch.setattr(DistillationTrainer, "__init__", trl_init)
+    student, teacher = copy.deepcopy(models[0]), build_tiny_policy(1, vocab_size=12)
+    args = distillation_args(GradAccDistillationConfig, tmp_path, (2, 4))
+    extra = {"args": args, "train_dataset": grpo_prompts(16), "processing_class": grpo_tokenizer()}
+    with pytest.raises(GradAccConfigError) as caught:
+        if positional:
+            GradAccDistillationTrainer(student, teacher, **extra)
+        else:
+            GradAccDistillationTrainer(model=student, teacher_model=teacher, **extra)
+    assert isinstance(caught.value, ValueError)
+    message = str(caught.value)
+    assert "`teacher_model` has vocab_size 12 and the student (`model`) 8" in message
+    assert "Pass a `teacher_model` with the student's vocabulary (vocab_size 8" in message
+
+
+def test_a_teacher_given_as_a_path_is_left_to_trl(models) -> None:
+    """A model given as a path is loaded by TRL, which compares the sizes itself (docs/distillation.md)."""
+    from hf_gradacc.trl.distillation import refuse_other_vocabulary
+
+    refuse_other_vocabulary(models[0], "some-org/a-teacher")  # nothing loaded, nothing refused
+    refuse_other_vocabulary(models[0], build_tiny_policy(1))  # the same vocabulary

@@ -39,7 +39,7 @@ from hf_gradacc.trl import kto as kto_module  # noqa: E402
 
 TOL = 1e-5
 BETA = 0.5
-LAYOUTS = {(7, 1): [7], (2, 4): [2, 2, 2, 1]}
+LAYOUTS = {(7, 1): [7], (2, 4): [2, 2, 2, 1], (1, 7): [1] * 7}
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +88,7 @@ def train_log(trainer) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------- exactness
-@pytest.mark.parametrize("split", list(LAYOUTS))
+@pytest.mark.parametrize("split", [(7, 1), (2, 4)])
 def test_kto_step_equals_the_full_batch_with_the_steps_kl_estimate(tmp_path, models, split) -> None:
     update, trainer = kto_run(GradAccKTOTrainer, GradAccKTOConfig, models, tmp_path, split=split)
     error = compare(update, reference(models, split)).relative_error
@@ -103,6 +103,18 @@ def test_kto_step_equals_the_full_batch_with_the_steps_kl_estimate(tmp_path, mod
 def test_apo_zero_unpaired_is_exact(tmp_path, models) -> None:
     update, _ = kto_run(GradAccKTOTrainer, GradAccKTOConfig, models, tmp_path, loss_type="apo_zero_unpaired")
     assert compare(update, reference(models, (2, 4), loss_type="apo_zero_unpaired")).relative_error <= TOL
+
+
+def test_one_sample_per_micro_batch_trains_exactly_without_the_kl_estimate(tmp_path) -> None:
+    """The way out the refusal of ``per_device_train_batch_size=1`` names (below): ``apo_zero_unpaired`` (no KL
+    estimate) at 1 sample x GA 7 is not refused and is the full-batch step. Fresh models: a trainer built on the
+    module's models (the refusal tests) replaces their forward."""
+    models = build_tiny_model("causal_lm", seed=0), build_tiny_model("causal_lm", seed=1)
+    update, _ = kto_run(GradAccKTOTrainer, GradAccKTOConfig, models, tmp_path, split=(1, 7),
+                        loss_type="apo_zero_unpaired")  # fmt: skip
+    error = compare(update, reference(models, (1, 7), loss_type="apo_zero_unpaired")).relative_error
+    print(f"GradAccKTOTrainer apo_zero_unpaired 1 x GA 7: relative error {error:.3g}")
+    assert error <= TOL
 
 
 def test_precomputed_reference_log_probs_are_exact(tmp_path, models) -> None:
@@ -190,8 +202,28 @@ def test_kto_classes_are_exported_documented_and_parse(tmp_path, models) -> None
 def test_what_kto_cannot_make_exact_is_refused(tmp_path, models, knob, match) -> None:
     args = kto_args(GradAccKTOConfig, tmp_path, (2, 4), **{knob: True})
     with pytest.raises(GradAccConfigError, match=match):
-        GradAccKTOTrainer(model=copy.deepcopy(models[0]), ref_model=models[1], args=args,
+        GradAccKTOTrainer(model=copy.deepcopy(models[0]), ref_model=copy.deepcopy(models[1]), args=args,
                           train_dataset=kto_dataset(kto_rows()), processing_class=trl_steps.word_tokenizer())  # fmt: skip
+
+
+@pytest.mark.parametrize("config_class", [GradAccKTOConfig, KTOConfig])
+def test_one_sample_per_micro_batch_is_refused_before_trl_loads_anything(tmp_path, models, monkeypatch,
+                                                                         config_class) -> None:  # fmt: skip
+    """Issue 36: TRL's own ValueError ("Actual (not effective) batch size must be > 1") came after TRL loaded the
+    policy; here a GradAccConfigError (a ValueError) naming the field and the way out, before TRL's __init__ runs."""
+
+    def trl_init(*args, **kwargs):
+        raise AssertionError("TRL's KTOTrainer.__init__ ran before the refusal")
+
+    monkeypatch.setattr(KTOTrainer, "__init__", trl_init)
+    args = kto_args(config_class, tmp_path, (1, 7))
+    with pytest.raises(GradAccConfigError) as caught:
+        GradAccKTOTrainer(model=models[0], ref_model=models[1], args=args, train_dataset=kto_dataset(kto_rows()),
+                          processing_class=trl_steps.word_tokenizer())  # fmt: skip
+    assert isinstance(caught.value, ValueError)
+    message = str(caught.value)
+    assert "`per_device_train_batch_size` is 1 with KTO's loss_type 'kto'" in message
+    assert "Set `per_device_train_batch_size` to 2 or more" in message and "loss_type='apo_zero_unpaired'" in message
 
 
 # ---------------------------------------------------------------------------------------------- hf-gradacc check

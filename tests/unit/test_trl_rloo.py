@@ -23,6 +23,7 @@ import pytest
 # hf_gradacc covers TRL's KTO, RLOO and Distillation trainers from TRL 1.16 on (older TRL: TRLDependencyError).
 pytest.importorskip("trl", minversion="1.16")
 
+from transformers import HfArgumentParser  # noqa: E402
 from trl import RLOOConfig, RLOOTrainer  # noqa: E402
 
 from hf_gradacc import GradAccConfigError  # noqa: E402
@@ -59,8 +60,8 @@ def _no_telemetry(monkeypatch):
 def rloo_args(config_class: type, output_dir, **config: Any) -> Any:
     return one_step_args(
         str(output_dir), per_device_train_batch_size=2, gradient_accumulation_steps=4, args_class=config_class,
-        bf16=False, num_generations=NUM_GENERATIONS, max_completion_length=8, beta=0.0, seed=0,
-        **{"steps_per_generation": 4, **config},
+        bf16=False, max_completion_length=8, beta=0.0, seed=0,
+        **{"steps_per_generation": 4, "num_generations": NUM_GENERATIONS, **config},
     )  # fmt: skip
 
 
@@ -126,3 +127,19 @@ def test_what_rloo_cannot_make_exact_is_refused(tmp_path) -> None:
         GradAccRLOOTrainer(model=build_tiny_policy(), reward_funcs=length_reward, args=args,
                            train_dataset=grpo_prompts(16), processing_class=grpo_tokenizer())  # fmt: skip
     assert "Example" in GradAccRLOOTrainer.__doc__ and "Example" in GradAccRLOOConfig.__doc__
+
+
+@pytest.mark.parametrize("num_generations", [1, 0])
+def test_fewer_than_two_generations_are_refused_naming_the_field(tmp_path, num_generations) -> None:
+    """Issue 36: TRL's RLOOConfig refuses 1 without naming the field and divides by 0 (ZeroDivisionError);
+    GradAccRLOOConfig refuses both first, with a GradAccConfigError (a ValueError) naming `num_generations`."""
+    with pytest.raises(GradAccConfigError) as caught:
+        rloo_args(GradAccRLOOConfig, tmp_path, num_generations=num_generations)
+    assert isinstance(caught.value, ValueError)
+    assert f"`num_generations` is {num_generations}" in str(caught.value)
+    assert "Set `num_generations` to 2 or more" in str(caught.value)
+    with pytest.raises(GradAccConfigError, match="`num_generations` is 1"):  # the command line too
+        HfArgumentParser(GradAccRLOOConfig).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--use_cpu", "true", "--num_generations", "1"]
+        )
+    assert rloo_args(GradAccRLOOConfig, tmp_path).num_generations == NUM_GENERATIONS  # 2 is accepted

@@ -6,6 +6,9 @@ test_mesh_ep.py (2 ranks).
 
     python mesh_sharded_cases.py --cases '[{"name": "a", "model": "llama", "sizes": {"tp_size": 2, "fsdp_size": 2}}]'
 
+``--patch-from-env``: leave ``hf_gradacc.patches.parallelism_cpu`` to ``HF_GRADACC_CPU_DISTRIBUTED=1`` (GradAccTrainer
+applies the CPU patch set when it is created) instead of turning it on here, as a user's script does.
+
 Case keys: name; model ('llama' | 'llama_seq_cls' | 'mixtral' | 'qwen3_moe' | 'mixtral_kv2' | 'mixtral_seq_cls' |
 'mixtral_kv2_seq_cls':
 the ``_seq_cls`` models are sequence classifiers, the others causal LMs; mixtral_kv2 has 2 key-value heads so that a
@@ -32,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Trainer, TrainerCallback
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
-from hf_gradacc.patches.parallelism_cpu import enable_parallelism_on_cpu
+from hf_gradacc.patches.parallelism_cpu import enable_parallelism_on_cpu, is_parallelism_on_cpu_enabled
 from hf_gradacc.testing.one_step import _Recorder, one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients
 from hf_gradacc.testing.tiny import ListDataset, PaddingCollator, build_tiny_model, build_tiny_moe, make_samples
@@ -160,6 +163,7 @@ def run_case(case: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
         trainer.register_accumulated_grad_hook(
             lambda name, grad: grad.fill_(float("nan")) if name == "model.norm.weight" else None
         )
+    patched_when_built = is_parallelism_on_cpu_enabled()  # by the variable, when the worker left it off
     if budget is not None:
         budget.trainer = trainer
         with budget:
@@ -180,6 +184,7 @@ def run_case(case: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
         "logged_grad_norm": next((h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h), None),
         "logged_aux": next((h["loss/aux"] for h in trainer.state.log_history if "loss/aux" in h), None),
         "logged_load": next((h[LOAD] for h in trainer.state.log_history if LOAD in h), None),
+        "parallelism_patch_on_when_built": patched_when_built,
     }
     if budget is not None:
         result["steps"], result["logs"] = budget.per_step, budget.per_log
@@ -237,8 +242,11 @@ def expected_load(model: torch.nn.Module, micro_batches: list[list[dict[str, Any
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", required=True)
-    cases = json.loads(parser.parse_args().cases)
-    enable_parallelism_on_cpu()
+    parser.add_argument("--patch-from-env", action="store_true", help="leave the CPU patch to HF_GRADACC_CPU_DISTRIBUTED")
+    opts = parser.parse_args()
+    cases = json.loads(opts.cases)
+    if not opts.patch_from_env:
+        enable_parallelism_on_cpu()
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     holder = [tempfile.mkdtemp(prefix="sharded_models_") if rank() == 0 else ""]

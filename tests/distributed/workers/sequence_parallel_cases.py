@@ -6,6 +6,7 @@ Llama (sdpa) on mixed-length samples with masked prompts, every micro-batch righ
 The Trainer wraps the dataloader in DeepSpeed's ``UlyssesSPDataLoaderAdapter``: each of the GRAD_ACC micro-batches is
 one rank's batch, cut along the sequence, so a step holds ``world x batch x GRAD_ACC / SP_SIZE`` samples. Each rank
 reports the update's distance from the float64 full batch over those samples, or the error the run ended with.
+``--paddings right,right-mask,left``: one run per padding (:class:`SequenceCollator`), each reported under its name.
 
 Found on CPU (DeepSpeed 0.19.8, gloo): the adapter all-gathers every rank's batch, and gloo needs equal shapes (a
 batch padded to its own longest row fails: "ProcessGroupGloo::allgather: invalid tensor size"); the stock Trainer's
@@ -41,7 +42,14 @@ WIDTH = 40  # make_samples' longest row is shorter
 
 
 class SequenceCollator(PaddingCollator):
-    """Right-pads to a multiple of the sequence-parallel size and adds ``position_ids`` (Ulysses needs both)."""
+    """Right-pads to a multiple of the sequence-parallel size and adds ``position_ids`` (Ulysses needs both).
+
+    ``padding``: ``"right"`` (the mask dropped: no real token sees a pad), ``"right-mask"`` (the mask kept, as a
+    tokenizer's collator gives it), ``"left"`` (padded on the left as with ``padding_side="left"``, the mask kept:
+    Ulysses drops it inside attention, so real tokens would attend to the padding; GradAccTrainer refuses it)."""
+
+    def __init__(self, padding: str = "right") -> None:
+        self.padding = padding
 
     def __call__(self, samples):
         batch = super().__call__(samples)
@@ -55,7 +63,12 @@ class SequenceCollator(PaddingCollator):
             if batch["labels"].dim() == 2:  # a token-level head's labels (a classifier's are one per row)
                 batch["labels"] = pad(batch["labels"], self.ignore_index)
         batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"]).clone()
-        batch.pop("attention_mask")  # right padding, causal attention: no real token sees a pad; Ulysses drops it
+        if self.padding == "left":  # every row's padding moved in front of its tokens; positions stay 0 .. WIDTH - 1
+            pads = (batch["attention_mask"] == 0).sum(1).tolist()
+            for key in ("input_ids", "attention_mask", "labels"):
+                batch[key] = torch.stack([row.roll(n) for row, n in zip(batch[key], pads, strict=True)])
+        elif self.padding == "right":  # causal attention: no real token sees a pad; Ulysses drops the mask anyway
+            batch.pop("attention_mask")
         return batch
 
 
@@ -69,7 +82,7 @@ def parallelism_config() -> ParallelismConfig:
     )
 
 
-def run(trainer_name: str, batch: int, task: str = "causal_lm") -> dict[str, Any]:
+def run(trainer_name: str, batch: int, task: str = "causal_lm", *, padding: str = "right") -> dict[str, Any]:
     # One step: GRAD_ACC micro-batches of the adapter = GRAD_ACC / SP_SIZE batches from each of the world ranks
     num_samples = world_size() * batch * GRAD_ACC // SP_SIZE
     if task == "causal_lm":
@@ -98,7 +111,7 @@ def run(trainer_name: str, batch: int, task: str = "causal_lm") -> dict[str, Any
     )
     cls = GradAccTrainer if trainer_name == "gradacc" else Trainer
     budget = Budget()  # every collective of the step, by who asked (the library's own: its count and its flag)
-    trainer = cls(model=model, args=args, train_dataset=ListDataset(samples), data_collator=SequenceCollator(),
+    trainer = cls(model=model, args=args, train_dataset=ListDataset(samples), data_collator=SequenceCollator(padding),
                   callbacks=[budget])
     budget.trainer = trainer
     with budget, one_sequence_parallel_set_up():  # undone after: `--check` sets Ulysses up again in this process
@@ -145,10 +158,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=PER_DEVICE_BATCH)
     parser.add_argument("--tasks", default="causal_lm", help="comma-separated: causal_lm, sequence_classification")
     parser.add_argument("--check", action="store_true", help="then `hf-gradacc check` (needs sp_zero2_cpu.yaml)")
+    parser.add_argument("--paddings", default="right", help="comma-separated: right, right-mask, left (one run each)")
     opts = parser.parse_args()
-    for task in opts.tasks.split(","):
+    for task, padding in [(t, p) for t in opts.tasks.split(",") for p in opts.paddings.split(",")]:
         try:
-            payload = {"outcome": "trained", **run(opts.trainer, opts.batch, task)}
+            payload = {"outcome": "trained", **run(opts.trainer, opts.batch, task, padding=padding)}
         except Exception as err:
             payload = {
                 "outcome": "error",
@@ -157,6 +171,7 @@ def main() -> None:
                 "traceback": traceback.format_exc()[-4000:],
             }
         name = opts.trainer if task == "causal_lm" else f"{opts.trainer}-{task}"
+        name = name if padding == "right" else f"{name}-{padding}"
         write_result(name, payload)
         if rank() == 0:
             print(f"[sequence_parallel_cases] {name}: {payload}", flush=True)
