@@ -29,7 +29,7 @@ import os
 import re
 import zipfile
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -297,15 +297,18 @@ def latest_complete_checkpoint(output_dir: str, *, world_size: int = 1, rank: in
     )
 
 
-def resolve_resume(trainer: Any, value: str | bool | None) -> tuple[str | bool | None, ResumePoint | None]:
+def resolve_resume(
+    value: str | bool | None, *, args: Any, layout: Callable[[], dict[str, Any]], mismatch: str, blocker: str | None
+) -> tuple[str | bool | None, ResumePoint | None]:
     """What `Trainer.train` gets for ``resume_from_checkpoint``, and where the resumed run starts in the data when
     the checkpoint's position is carried over in samples (None: the stock resume). ``True`` becomes the newest
     complete checkpoint; a folder is checked and refused with :class:`~hf_gradacc.GradAccConfigError` naming the
     missing or broken file when it cannot be resumed, or naming the setting when it was saved with a data layout
-    that cannot be carried over (:func:`check_data_layout`); anything else passes through."""
-    world_size, rank = trainer.args.world_size, trainer.args.process_index
+    that cannot be carried over (:func:`check_data_layout`: this run's ``layout()``, ``resume_data_mismatch``, why the
+    samples trained are not a prefix of the epoch's order, :func:`prefix_blocker`); anything else passes through."""
+    world_size, rank = args.world_size, args.process_index
     if value is True:
-        path = latest_complete_checkpoint(trainer.args.output_dir, world_size=world_size, rank=rank)
+        path = latest_complete_checkpoint(args.output_dir, world_size=world_size, rank=rank)
     elif isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
         problems = _agreed({path: checkpoint_problems(path, world_size=world_size, rank=rank)})[path]
@@ -316,9 +319,7 @@ def resolve_resume(trainer: Any, value: str | bool | None) -> tuple[str | bool |
             )
     else:
         return value, None
-    point = check_data_layout(path, data_layout(trainer), mismatch=trainer.gradacc.resume_data_mismatch,
-                              blocker=prefix_blocker(trainer))  # fmt: skip
-    return path, point
+    return path, check_data_layout(path, layout(), mismatch=mismatch, blocker=blocker)
 
 
 # ---------------------------------------------------------------------------------------------- the data position
@@ -372,31 +373,13 @@ class ResumePoint:
     changed: tuple[str, ...]
 
 
-def data_parallel_size(trainer: Any) -> int:
-    """Ranks that hold different samples: the processes over the ranks that get a copy of a data rank's batches,
-    tensor-, context- and sequence-parallel (accelerate deals them the same batches; `Trainer.get_total_train_batch_size`
-    divides them out alike). A step's samples are its micro-batch rows times this, never times ``args.world_size``.
-
-    Example:
-        ```python
-        samples_per_micro_batch = trainer._train_batch_size * data_parallel_size(trainer)   # cp 2 on 2 processes: 1
-        ```
-    """
-    copies = 1
-    for name in ("get_tp_size", "get_cp_size", "get_sp_size"):  # absent on older transformers: 1
-        size = getattr(trainer, name, None)
-        copies *= int(size() or 1) if callable(size) else 1
-    return max(1, trainer.args.world_size // copies)
-
-
-def prefix_blocker(trainer: Any) -> str | None:
-    """Why ``trainer``'s trained samples are not a prefix of the epoch's order (so a position in samples means
-    nothing), or None when they are: a dataset without a length, a sampler whose order depends on the batch size
+def prefix_blocker(args: Any, dataset: Any) -> str | None:
+    """Why the samples a run trains are not a prefix of the epoch's order (so a position in samples means nothing),
+    or None when they are: a dataset without a length, a sampler whose order depends on the batch size
     (``group_by_length``). Regrouped and packed windows keep each stock window's samples, a prefix of the order."""
     from transformers.trainer_utils import has_length
 
-    args = trainer.args
-    if trainer.train_dataset is None or not has_length(trainer.train_dataset):
+    if dataset is None or not has_length(dataset):
         return "the training dataset has no length (an IterableDataset): there is no epoch order to count in"
     strategy = getattr(args, "train_sampling_strategy", "random")
     if strategy not in _PREFIX_SAMPLING:
@@ -404,19 +387,20 @@ def prefix_blocker(trainer: Any) -> str | None:
     return None
 
 
-def data_layout(trainer: Any) -> dict[str, Any]:
-    """What decides which samples each optimizer step of ``trainer`` takes (recorded in every checkpoint)."""
+def data_layout(args: Any, settings: Any, dataset: Any, *, data_parallel_size: int) -> dict[str, Any]:
+    """What decides which samples each optimizer step takes (recorded in every checkpoint): the arguments, the
+    settings, the training dataset's length, and the ranks holding different samples (the mesh's
+    ``data_parallel_size``: not the processes, whose tensor-, context- and sequence-parallel ranks share a data
+    rank's batches)."""
     from transformers.trainer_utils import has_length
 
-    args, settings = trainer.args, trainer.gradacc
-    dataset = trainer.train_dataset
     schedule = settings.accumulation_schedule
     layout = {
         "per_device_train_batch_size": None if args.auto_find_batch_size else args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "accumulation_schedule": None if schedule is None else str(schedule),
         "world_size": args.world_size,
-        "data_parallel_size": data_parallel_size(trainer),  # cp 1 -> 2 on the same processes changes it alone
+        "data_parallel_size": data_parallel_size,  # cp 1 -> 2 on the same processes changes it alone
         "num_train_samples": len(dataset) if dataset is not None and has_length(dataset) else None,
         "seed": args.seed,
         "data_seed": args.data_seed,
@@ -484,7 +468,7 @@ def check_data_layout(
     ``global_step`` steps of this run's layout).
 
     A changed batch size, ``gradient_accumulation_steps``, ``accumulation_schedule``, world or data-parallel size
-    (:func:`data_parallel_size`: a changed ``cp_size`` on the same processes) is carried over
+    (the mesh's ``data_parallel_size``: a changed ``cp_size`` on the same processes) is carried over
     when the checkpoint recorded its position in samples and ``blocker`` (why this run's samples are not a prefix of
     the epoch's order, see :func:`prefix_blocker`) is None. Any other difference (dataset length, seed, data_seed,
     drop_last, sampling strategy, regrouping or packing), or a layout change that cannot be carried over, raises
@@ -593,20 +577,18 @@ def _write_marker(folder: str) -> None:
 
 
 @contextlib.contextmanager
-def checkpoint_save(trainer: Any, trial: Any) -> Iterator[None]:
-    """Around `Trainer._save_checkpoint`: ``hf_gradacc_saving`` first; after every rank saved (a barrier) the
-    marker ``hf_gradacc_complete.json`` LAST; only then older checkpoints rotated away (``save_total_limit``), so a
-    kill at any point leaves the old checkpoint or a complete new one. A peer that dies or fails while saving (its
-    save's collectives, or the barrier) is a :class:`~hf_gradacc.GradAccDistributedError` on every surviving rank,
-    naming the step, the folder left incomplete and the checkpoint the next resume takes."""
+def checkpoint_save(
+    *, run_dir: str, args: Any, state: Any, wait_for_everyone: Callable[[], None], record: Callable[[], dict[str, Any]]
+) -> Iterator[None]:
+    """Around `Trainer._save_checkpoint`: ``hf_gradacc_saving`` first; after every rank saved (``wait_for_everyone``,
+    a barrier) the marker ``hf_gradacc_complete.json`` LAST, with the data ``record()`` beside it; only then older
+    checkpoints of ``run_dir`` rotated away (``save_total_limit``), so a kill at any point leaves the old checkpoint or
+    a complete new one. A peer that dies or fails while saving (its save's collectives, or the barrier) is a
+    :class:`~hf_gradacc.GradAccDistributedError` on every surviving rank, naming the step, the folder left incomplete
+    and the checkpoint the next resume takes; ``state``: the Trainer's (its step, its best checkpoint)."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-    from .fused.into_grad import release_buffers
-
-    release_buffers()  # no gradient is saved: the fused head's kept weight-gradient buffer would add to the save's peak
-    args = trainer.args
-    run_dir = trainer._get_output_dir(trial=trial)
-    folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
     if args.should_save:
         os.makedirs(folder, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
@@ -620,22 +602,19 @@ def checkpoint_save(trainer: Any, trial: Any) -> Iterator[None]:
             yield
         finally:
             args.save_total_limit = limit
-        trainer.accelerator.wait_for_everyone()  # every rank's files (RNG state, shards) are written
+        wait_for_everyone()  # every rank's files (RNG state, shards) are written
     except RuntimeError as error:  # a peer died or failed while saving: the save's collectives or this barrier
         if not is_collective_failure(error):
             raise
-        step = trainer.state.global_step
+        step = state.global_step
         raise save_failure(step, folder, _newest_complete(run_dir, below=step), args) from error
     if args.should_save:
-        record = data_layout(trainer)
-        position = getattr(trainer, "data_position", None)
-        if position is not None:
-            record[POSITION_KEY] = asdict(position)
         with open(os.path.join(folder, DATA_NAME), "w") as f:
-            json.dump(record, f, indent=1)
+            json.dump(record(), f, indent=1)
         _write_marker(folder)
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
-                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)  # fmt: skip
+        rotate_checkpoints(
+            output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=state.best_model_checkpoint, use_mtime=True
+        )
 
 
 # ---------------------------------------------------------------------------------------------- the resumed weights

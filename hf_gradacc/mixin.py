@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -32,9 +33,10 @@ from .backends.fsdp2 import warn_if_no_full_model
 from .callbacks.batchnorm import batchnorm_callback_for
 from .callbacks.callback import GradAccCallback
 from .checkpoints import (
+    POSITION_KEY,
     DataPosition,
     checkpoint_save,
-    data_parallel_size,
+    data_layout,
     prefix_blocker,
     resolve_resume,
     restore_weights,
@@ -314,7 +316,10 @@ class GradAccMixin:
         that cannot be carried over (dataset, seed, regrouping: samples lost or repeated). A changed batch size, GA,
         schedule or world size resumes at the recorded position, re-batched in this run's layout."""
         plan = self.step_engine.plan
-        resume_from_checkpoint, plan.resume_point = resolve_resume(self, resume_from_checkpoint)
+        resume_from_checkpoint, plan.resume_point = resolve_resume(
+            resume_from_checkpoint, args=self.args, layout=self._data_layout, mismatch=self.gradacc.resume_data_mismatch,
+            blocker=prefix_blocker(self.args, self.train_dataset),
+        )
         plan.resume_at = plan.data_position = None  # set once the run's layout is known / after each step
         with self.step_engine.keeping_buffers():  # the fused head's weight-gradient buffer kept from window to window
             return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -331,8 +336,23 @@ class GradAccMixin:
         gradient is saved: the fused head's kept weight-gradient buffer is let go first (it would add to the save's
         peak)."""
         self.step_engine.release_buffers()
-        with checkpoint_save(self, trial):
+        with checkpoint_save(
+            run_dir=self._get_output_dir(trial=trial), args=self.args, state=self.state,
+            wait_for_everyone=self.accelerator.wait_for_everyone, record=self._checkpoint_record,
+        ):
             super()._save_checkpoint(model, trial)
+
+    def _data_layout(self) -> dict[str, Any]:
+        """What decides which samples each optimizer step takes (:func:`~hf_gradacc.checkpoints.data_layout`)."""
+        return data_layout(self.args, self.gradacc, self.train_dataset,
+                           data_parallel_size=self.backend.mesh.data_parallel_size)
+
+    def _checkpoint_record(self) -> dict[str, Any]:
+        """A checkpoint's data record: the layout, and where the data stands after the last optimizer step."""
+        record = self._data_layout()
+        if self.data_position is not None:
+            record[POSITION_KEY] = asdict(self.data_position)
+        return record
 
     # ------------------------------------------------------------------ the loop: one window per optimizer step
     def _run_epoch(
@@ -374,13 +394,9 @@ class GradAccMixin:
                 if regrouped is not None
                 else math.ceil(steps_in_epoch / args.gradient_accumulation_steps)
             )
-        num_samples = len(self.train_dataset) if prefix_blocker(self) is None else None
-        samples_per_micro_batch = self._train_batch_size * data_parallel_size(self)  # not the copies
-        import os  # AUDIT (temporary)
-
-        if os.environ.get("HF_GRADACC_MESH_AUDIT") and data_parallel_size(self) != self.backend.mesh.data_parallel_size:
-            raise AssertionError(f"MESH AUDIT: data_parallel_size {data_parallel_size(self)} != mesh "
-                                 f"{self.backend.mesh}")
+        num_samples = len(self.train_dataset) if prefix_blocker(args, self.train_dataset) is None else None
+        # the micro-batch's rows times the ranks holding different samples (not the tensor / context / sequence copies)
+        samples_per_micro_batch = self._train_batch_size * self.backend.mesh.data_parallel_size
         # Regrouped or packed windows keep each stock window's samples (GA x batch x ranks of the order), not its
         # micro-batches: count windows there.
         samples_per_window = samples_per_micro_batch * args.gradient_accumulation_steps
@@ -566,7 +582,7 @@ class GradAccMixin:
         dataset = self.train_dataset
         return self.step_engine.plan.training_values(
             args, dataloader, values, settings=self.gradacc, backend=self.backend,
-            samples_per_micro_batch=self._train_batch_size * data_parallel_size(self),
+            samples_per_micro_batch=self._train_batch_size * self.backend.mesh.data_parallel_size,
             num_train_samples=len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None,
         )
 

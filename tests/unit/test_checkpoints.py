@@ -282,18 +282,24 @@ def test_the_record_counts_the_data_ranks_so_a_changed_cp_size_on_the_same_proce
     """cp 2 on 2 processes holds 1 data rank: the record says ``data_parallel_size`` 1 beside ``world_size`` 2, and a
     checkpoint recorded so, resumed with cp 1 on the same 2 processes, names the change (the world size alone would
     not show it)."""
+    from hf_gradacc.backends.mesh import Mesh
+
     out, _ = saved
     trainer = _trainer(str(tmp_path / "run"))
     monkeypatch.setattr(type(trainer.args), "world_size", property(lambda self: 2))
-    monkeypatch.setattr(trainer, "get_cp_size", lambda: 2, raising=False)
-    record = ckpt.data_layout(trainer)
+
+    def layout(cp: int) -> dict:  # the record of a run on 2 processes whose mesh has `cp` context-parallel ranks
+        mesh = Mesh.of({"cp": cp, "dp_shard": 2 // cp})
+        return ckpt.data_layout(trainer.args, trainer.gradacc, trainer.train_dataset,
+                                data_parallel_size=mesh.data_parallel_size)
+
+    record = layout(cp=2)
     assert (record["world_size"], record["data_parallel_size"]) == (2, 1), record
     folder = tmp_path / "checkpoint-1"
     shutil.copytree(os.path.join(out, "checkpoint-1"), folder)
     saved_record = json.load(open(folder / ckpt.DATA_NAME))
     json.dump({**saved_record, "world_size": 2, "data_parallel_size": 1}, open(folder / ckpt.DATA_NAME, "w"))
-    monkeypatch.setattr(trainer, "get_cp_size", lambda: 1)
-    point = ckpt.check_data_layout(str(folder), ckpt.data_layout(trainer))
+    point = ckpt.check_data_layout(str(folder), layout(cp=1))
     assert point is not None and point.changed == ("data_parallel_size 1 -> 2",), point
 
 

@@ -38,7 +38,7 @@ from hf_gradacc.backends.context_parallel import (
 )
 from hf_gradacc.backends.mesh import Mesh
 from hf_gradacc.backends.sharded_model import check_context_parallel
-from hf_gradacc.checkpoints import DATA_NAME, POSITION_KEY, check_data_layout, data_parallel_size
+from hf_gradacc.checkpoints import DATA_NAME, POSITION_KEY, check_data_layout
 from hf_gradacc.counting import Counter, count_micro_batch
 from hf_gradacc.errors import GradAccConfigError, GradAccDataError, GradAccLossError, UnsupportedBackendError
 from hf_gradacc.fused.choice import FusedPolicy
@@ -558,6 +558,9 @@ def test_a_refused_micro_batch_on_one_rank_stops_every_rank(phase):
 
 
 # ---------------------------------------------------------------------------------------------- resume by samples
+_TWO_CP_RANKS = Mesh.of({"cp": 2})
+
+
 class _TwoCpRanksConfig(GradAccConfig):
     """Arguments of a world of 2 processes (this one stands for both: they are the 2 cp ranks of ONE data rank, so
     they train exactly this process's samples)."""
@@ -569,6 +572,11 @@ class _TwoCpRanksTrainer(GradAccTrainer):
     def get_cp_size(self) -> int:  # accelerate's `parallelism_config.cp_size`, as `Trainer.get_cp_size` reads it
         return 2
 
+    def _setup_gradacc(self, gradacc_args):
+        super()._setup_gradacc(gradacc_args)
+        backend = type(self.backend)  # the mesh of 2 processes that are the 2 cp ranks of one data rank
+        self.backend.__class__ = type(backend.__name__, (backend,), {"mesh": property(lambda _: _TWO_CP_RANKS)})
+
 
 def test_a_cp_resume_by_samples_counts_the_data_ranks_not_the_processes(monkeypatch, tmp_path):
     """A run on 2 processes that are the cp ranks of one data rank records its position in samples over that ONE
@@ -578,7 +586,7 @@ def test_a_cp_resume_by_samples_counts_the_data_ranks_not_the_processes(monkeypa
 
     monkeypatch.setattr(cases, "GradAccConfig", _TwoCpRanksConfig)
     monkeypatch.setattr(cases, "GradAccTrainer", _TwoCpRanksTrainer)
-    assert data_parallel_size(SimpleNamespace(args=SimpleNamespace(world_size=2), get_cp_size=lambda: 2)) == 1
+    assert _TWO_CP_RANKS.data_parallel_size == 1
     a = cases.train_run(str(tmp_path / "a"), batch=2, ga=2)  # 24 samples, 4 a step, a checkpoint after each
     with open(tmp_path / "a" / "checkpoint-2" / DATA_NAME) as f:
         assert json.load(f)["position"]["num_samples"] == 8  # 2 steps x 2 x GA 2 x 1 data rank
