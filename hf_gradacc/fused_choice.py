@@ -3,9 +3,12 @@ per run by a measured cost model, as the packing planner prices attention.
 
 Where the fused head cannot run (an overridden ``compute_loss`` / ``compute_loss_func`` / ``training_step``, a head
 or model it does not support, a tensor-parallel ``lm_head``, a seq2seq model that builds its decoder inputs from the
-labels, a streamed window) or is not guarded (the start-up loss check turned off), automatic means off, with one INFO
-line saying why: never an error or a warning (``fused_lm_head=True`` keeps refusing those). Elsewhere the first optimizer step's counts, gathered over every rank
-(so every rank decides alike), give the rows of one micro-batch: ``counted`` (targets that count: the rows the fused
+labels, a streamed window), where ``torch.compile`` traces the model (``torch_compile=True``, accelerate's dynamo
+plugin, a model compiled before the trainer got it: the fused head would run outside the compiled graph, which the
+cost model does not price) or is not guarded (the start-up loss check turned off), automatic means off, with one INFO
+line saying why: never an error or a warning (``fused_lm_head=True`` keeps refusing those, but runs under
+``torch.compile`` on one process). Elsewhere the first optimizer step's counts, gathered over every rank (so every
+rank decides alike), give the rows of one micro-batch: ``counted`` (targets that count: the rows the fused
 head projects) and ``positions`` (the rows of the full logits). With the head's ``hidden`` size, ``vocab``, compute
 dtype and device, the model predicts the LM head's forward + backward time both ways::
 
@@ -33,6 +36,7 @@ import torch
 from transformers.utils import logging
 
 from . import fused_into_grad
+from .errors import GradAccConfigError
 
 logger = logging.get_logger(__name__)
 
@@ -46,6 +50,11 @@ MEMORY_TIME_ALLOWANCE = 1.25
 FP32_BYTES = 4
 # Logits past this many (the fused head's tile: 32 MiB of float32) leave the cache between the passes over them.
 CACHED_LOGITS = 2**23
+# Why automatic is off under torch.compile (fused_lm_head=True runs there, on one process: docs/memory.md).
+COMPILED_OFF = (
+    "the fused head would run outside the compiled graph (a graph break at the output layer), and the cost model was "
+    "fitted without torch.compile"
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,6 +209,58 @@ def _dtype_bytes(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype, torch.float32)).element_size()
 
 
+def compile_setting(trainer: Any) -> str | None:
+    """How ``torch.compile`` will trace ``trainer``'s model, in words (``torch_compile=True``, accelerate's dynamo
+    plugin, a model compiled before the trainer got it), or None: read at construction, before accelerate wraps it."""
+    args = trainer.args
+    if getattr(args, "torch_compile", False):
+        return f"`torch_compile=True` (backend {args.torch_compile_backend!r})"
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "dynamo_plugin", None)
+    backend = getattr(getattr(plugin, "backend", None), "value", None)
+    if backend and str(backend).upper() != "NO":
+        return f"accelerate's dynamo plugin (backend {str(backend).lower()!r})"
+    return fused_into_grad.compiled_part(trainer.model)
+
+
+def check_fused_setting(trainer: Any) -> None:
+    """Once, at construction, with ``fused_lm_head=True``: ignored with a warning when the trainer computes its loss
+    itself; else refused with a :class:`~hf_gradacc.GradAccConfigError` where it cannot run (the model, the head, the
+    head on several processes, ``torch.compile`` on several processes: :func:`check_compiled`). The backend needs no
+    check here: every backend GradAccTrainer resolves (DDP, DeepSpeed, FSDP2) is one the fused head is tested under."""
+    from .fused_head import fused_support_problem
+
+    if trainer._custom_compute_loss:
+        logger.warning(
+            f"`fused_lm_head=True` is ignored: {type(trainer).__name__} computes its loss itself (an overridden "
+            "`compute_loss` or a `compute_loss_func`), so the LM head runs wherever that code runs it. Set "
+            "`fused_lm_head=False`, or leave the loss to hf_gradacc's built-in one."
+        )
+        return
+    problem = fused_support_problem(trainer.model, trainer.head.type, distributed=trainer.backend.dp_world_size > 1)
+    if problem is not None:
+        raise GradAccConfigError(f"`fused_lm_head=True` cannot run here: {problem}. Set `fused_lm_head=False`.")
+    check_compiled(trainer)  # torch.compile: runs on one process (outside the compiled graph), refused on several
+
+
+def check_compiled(trainer: Any) -> None:
+    """At construction, with ``fused_lm_head=True``: under ``torch.compile`` (:func:`compile_setting`) the fused head
+    runs on one process, outside the compiled graph (the model's call of its output layer is a graph break), logged
+    once; on several processes (untested) it is refused with a :class:`~hf_gradacc.GradAccConfigError`."""
+    compiled = compile_setting(trainer)
+    if compiled is None:
+        return
+    if trainer.backend.dp_world_size > 1 or trainer.backend.model_parallelism is not None:
+        raise GradAccConfigError(
+            f"`fused_lm_head=True` cannot run with {compiled} on several processes: the fused head runs outside the "
+            "compiled graph, which is tested on one process only. Set `fused_lm_head=False`, or `torch_compile=False` "
+            "(and pass the model uncompiled)."
+        )
+    logger.info(
+        f"`fused_lm_head=True` with {compiled}: the fused LM head runs outside the compiled graph (the model's call "
+        "of its output layer is a graph break); the rest of the model is compiled."
+    )
+
+
 def auto_problem(trainer: Any) -> str | None:
     """Why automatic cannot turn the fused head on for ``trainer`` (at construction), or None: each of the setups
     ``fused_lm_head=True`` refuses or ignores, in words."""
@@ -220,6 +281,9 @@ def auto_problem(trainer: Any) -> str | None:
     problem = fused_support_problem(trainer.model, trainer.head.type, distributed=trainer.backend.dp_world_size > 1)
     if problem is not None:
         return problem
+    compiled = compile_setting(trainer)
+    if compiled is not None:
+        return f"{compiled}: {COMPILED_OFF}"
     base = unwrap_model(trainer.model)
     if trainer.head.type == "seq2seq" and not hasattr(base, "prepare_decoder_input_ids_from_labels"):
         return f"{type(base).__name__} builds its decoder inputs from the labels"
@@ -281,7 +345,10 @@ def initial_choice(trainer: Any) -> FusedChoice | None:
 def decide(trainer: Any, window: Any) -> FusedChoice:
     """Automatic, on the first optimizer step: the cost model on that step's counts (gathered over every rank, so
     every rank decides alike), logged once on the main process."""
-    if window is None or window.streamed:
+    compiled = fused_into_grad.compiled_part(getattr(trainer, "model_wrapped", None))  # compiled since construction (accelerate's)
+    if compiled is not None:
+        choice = FusedChoice(enabled=False, reason=f"{compiled}: {COMPILED_OFF}")
+    elif window is None or window.streamed:
         choice = FusedChoice(enabled=False, reason="the step's counts are not known before its micro-batches run")
     elif window.counts.weighted:  # hf_gradacc.weights: the tiles sum unweighted targets
         choice = FusedChoice(enabled=False, reason="the step's batches carry `loss_weights`, which the fused head does not weigh")

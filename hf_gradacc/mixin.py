@@ -41,7 +41,7 @@ from .data.loader import build_train_dataloader, check_train_dataset, fetch_batc
 from .data.pack_check import check_packing_support
 from .distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .errors import GradAccConfigError, GradAccLossError, GradAccUsageError
-from .fused_head import check_fused_setting
+from .fused_choice import check_fused_setting
 from .grads import AccumulatedGradHook, GradAccess
 from .heads import Head
 from .log import announce_active
