@@ -153,7 +153,7 @@ class GradAccMixin:
             self.gather_function = gather_function
         fused = FusedPolicy.at_construction(  # ignored (own loss), on, off, refused, or automatic: once, logged
             settings=settings, head=head, backend=backend, model=self.model, source=source, args=self.args,
-            trainer_name=name, cp_size=cp.size,
+            trainer_name=name, cp_size=cp.size, accelerator=self.accelerator,
         )
         router = check_router_balance(  # router_balance="global_batch": refused by name, or the pre-pass's shape
             settings=settings, head=head, model=self.model, backend=backend,

@@ -3,9 +3,12 @@ per run by a measured cost model, as the packing planner prices attention.
 
 Where the fused head cannot run (an overridden ``compute_loss`` / ``compute_loss_func`` / ``training_step``, a head
 or model it does not support, a tensor-parallel ``lm_head``, a seq2seq model that builds its decoder inputs from the
-labels, a streamed window) or is not guarded (the start-up loss check turned off), automatic means off, with one INFO
-line saying why: never an error or a warning (``fused_lm_head=True`` keeps refusing those). Elsewhere the first optimizer step's counts, gathered over every rank
-(so every rank decides alike), give the rows of one micro-batch: ``counted`` (targets that count: the rows the fused
+labels, a streamed window), where ``torch.compile`` traces the model (``torch_compile=True``, accelerate's dynamo
+plugin, a model compiled before the trainer got it: the fused head would run outside the compiled graph, which the
+cost model does not price) or is not guarded (the start-up loss check turned off), automatic means off, with one INFO
+line saying why: never an error or a warning (``fused_lm_head=True`` keeps refusing those, but runs under
+``torch.compile`` on one process). Elsewhere the first optimizer step's counts, gathered over every rank (so every
+rank decides alike), give the rows of one micro-batch: ``counted`` (targets that count: the rows the fused
 head projects) and ``positions`` (the rows of the full logits). With the head's ``hidden`` size, ``vocab``, compute
 dtype and device, the model predicts the LM head's forward + backward time both ways::
 
@@ -32,6 +35,9 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from ..errors import GradAccConfigError
+from .into_grad import compiled_part
+
 logger = logging.get_logger(__name__)
 
 # The fused head must be predicted at most this many times the full logits' time to be on for speed (the fit's error
@@ -44,6 +50,11 @@ MEMORY_TIME_ALLOWANCE = 1.25
 FP32_BYTES = 4
 # Logits past this many (the fused head's tile: 32 MiB of float32) leave the cache between the passes over them.
 CACHED_LOGITS = 2**23
+# Why automatic is off under torch.compile (fused_lm_head=True runs there, on one process: docs/memory.md).
+COMPILED_OFF = (
+    "the fused head would run outside the compiled graph (a graph break at the output layer), and the cost model was "
+    "fitted without torch.compile"
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -198,8 +209,54 @@ def _dtype_bytes(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype, torch.float32)).element_size()
 
 
+def compile_setting(*, args: Any, accelerator: Any, model: Any) -> str | None:
+    """How ``torch.compile`` will trace the model, in words (``torch_compile=True``, accelerate's dynamo plugin, a
+    model compiled before the trainer got it), or None: read at construction, before accelerate wraps it."""
+    if getattr(args, "torch_compile", False):
+        return f"`torch_compile=True` (backend {args.torch_compile_backend!r})"
+    plugin = getattr(getattr(accelerator, "state", None), "dynamo_plugin", None)
+    backend = getattr(getattr(plugin, "backend", None), "value", None)
+    if backend and str(backend).upper() != "NO":
+        return f"accelerate's dynamo plugin (backend {str(backend).lower()!r})"
+    return compiled_part(model)
+
+
+def check_fused_setting(
+    *, model: Any, head_type: Any, backend: Any, source: Any, trainer_name: str, compiled: str | None = None
+) -> None:
+    """Once, at construction, with ``fused_lm_head=True``: ignored with a warning when the trainer computes its loss
+    itself (``source``: :class:`~hf_gradacc.step.engine.LossSource`); else refused with a
+    :class:`~hf_gradacc.GradAccConfigError` where it cannot run (the model, the head, the head on several processes,
+    ``torch.compile`` on several processes: ``compiled``, from :func:`compile_setting`). The backend needs no check
+    here: every backend GradAccTrainer resolves (DDP, DeepSpeed, FSDP2) is one the fused head is tested under."""
+    from .head import fused_support_problem
+
+    if source.custom_compute_loss:
+        logger.warning(
+            f"`fused_lm_head=True` is ignored: {trainer_name} computes its loss itself (an overridden "
+            "`compute_loss` or a `compute_loss_func`), so the LM head runs wherever that code runs it. Set "
+            "`fused_lm_head=False`, or leave the loss to hf_gradacc's built-in one."
+        )
+        return
+    problem = fused_support_problem(model, head_type, distributed=backend.mesh.dp_world_size > 1)
+    if problem is not None:
+        raise GradAccConfigError(f"`fused_lm_head=True` cannot run here: {problem}. Set `fused_lm_head=False`.")
+    if compiled is None:
+        return
+    if backend.mesh.dp_world_size > 1 or backend.model_parallelism is not None:
+        raise GradAccConfigError(
+            f"`fused_lm_head=True` cannot run with {compiled} on several processes: the fused head runs outside the "
+            "compiled graph, which is tested on one process only. Set `fused_lm_head=False`, or `torch_compile=False` "
+            "(and pass the model uncompiled)."
+        )
+    logger.info(
+        f"`fused_lm_head=True` with {compiled}: the fused LM head runs outside the compiled graph (the model's call "
+        "of its output layer is a graph break); the rest of the model is compiled."
+    )
+
+
 def auto_problem(*, settings: Any, head: Any, backend: Any, model: Any, source: Any, trainer_name: str,
-                 cp_size: int = 1) -> str | None:
+                 cp_size: int = 1, compiled: str | None = None) -> str | None:
     """Why automatic cannot turn the fused head on (at construction), or None: each of the setups
     ``fused_lm_head=True`` refuses or ignores, in words. ``source``: where the loss comes from
     (:class:`~hf_gradacc.step.engine.LossSource`)."""
@@ -221,6 +278,8 @@ def auto_problem(*, settings: Any, head: Any, backend: Any, model: Any, source: 
     problem = fused_support_problem(model, head.type, distributed=backend.mesh.dp_world_size > 1)
     if problem is not None:
         return problem
+    if compiled is not None:
+        return f"{compiled}: {COMPILED_OFF}"
     base = unwrap_model(model)
     if head.type == "seq2seq" and not hasattr(base, "prepare_decoder_input_ids_from_labels"):
         return f"{type(base).__name__} builds its decoder inputs from the labels"
@@ -283,31 +342,31 @@ class FusedPolicy:
 
     @classmethod
     def at_construction(cls, *, settings: Any, head: Any, backend: Any, model: Any, source: Any, args: Any,
-                        trainer_name: str, cp_size: int = 1) -> FusedPolicy:
+                        trainer_name: str, cp_size: int = 1, accelerator: Any = None) -> FusedPolicy:
         """The decision where the setting or the setup makes it: ``fused_lm_head=True`` checked (ignored with a
         warning when the trainer computes its loss itself, refused where it cannot run), ``False``, or automatic
-        (off where :func:`auto_problem` names a reason, logged; else decided on the first optimizer step)."""
+        (off where :func:`auto_problem` names a reason, torch.compile included, logged; else decided on the first
+        optimizer step)."""
         setting = settings.fused_lm_head
+        compiled = compile_setting(args=args, accelerator=accelerator, model=model)
         if setting:
-            from .head import check_fused_setting
-
             check_fused_setting(model=model, head_type=head.type, backend=backend, source=source,
-                                trainer_name=trainer_name)
+                                trainer_name=trainer_name, compiled=compiled)
         if setting is not None:
             return cls(FusedChoice(enabled=bool(setting), reason=f"`fused_lm_head={setting}`"))
         problem = auto_problem(settings=settings, head=head, backend=backend, model=model, source=source,
-                               trainer_name=trainer_name, cp_size=cp_size)
+                               trainer_name=trainer_name, cp_size=cp_size, compiled=compiled)
         if problem is None:
             return cls(None, model=model, head=head, args=args)
         choice = FusedChoice(enabled=False, reason=problem)
         logger.info(choice.message())
         return cls(choice)
 
-    def decide(self, window: Any) -> FusedChoice:
-        """Automatic, on the first optimizer step: the cost model on that step's counts; the decision made before,
-        otherwise."""
+    def decide(self, window: Any, *, wrapped: Any = None) -> FusedChoice:
+        """Automatic, on the first optimizer step: the cost model on that step's counts (off when the model as the
+        step calls it, ``wrapped``, was compiled since construction); the decision made before, otherwise."""
         if self.choice is None:
-            self.choice = decide(window, model=self._model, head=self._head, args=self._args)
+            self.choice = decide(window, model=self._model, head=self._head, args=self._args, wrapped=wrapped)
         return self.choice
 
     @property
@@ -316,10 +375,14 @@ class FusedPolicy:
         return self.decide(None).enabled if self.choice is None else self.choice.enabled
 
 
-def decide(window: Any, *, model: Any, head: Any, args: Any) -> FusedChoice:
+def decide(window: Any, *, model: Any, head: Any, args: Any, wrapped: Any = None) -> FusedChoice:
     """Automatic, on the first optimizer step: the cost model on that step's counts (gathered over every rank, so
-    every rank decides alike), logged once on the main process."""
-    if window is None or window.streamed:
+    every rank decides alike), logged once on the main process; off when ``wrapped`` (the model as the step calls it)
+    was compiled since construction (accelerate's)."""
+    compiled = compiled_part(wrapped)
+    if compiled is not None:
+        choice = FusedChoice(enabled=False, reason=f"{compiled}: {COMPILED_OFF}")
+    elif window is None or window.streamed:
         choice = FusedChoice(enabled=False, reason="the step's counts are not known before its micro-batches run")
     elif window.counts.weighted:  # hf_gradacc.weights: the tiles sum unweighted targets
         choice = FusedChoice(enabled=False, reason="the step's batches carry `loss_weights`, which the fused head does not weigh")

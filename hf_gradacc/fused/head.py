@@ -39,7 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import GradAccLossError, GradAccUsageError
 from ..loss import IGNORE_INDEX, model_labels
-from .into_grad import Written, keep_buffer, kept_buffer
+from .into_grad import Written, keep_buffer, kept_buffer, refuse_compiled_on_several_processes
 from .into_grad import begin as into_grad_begin
 from .into_grad import observe as into_grad_observe
 
@@ -131,6 +131,7 @@ def _cross_entropy_sum(
     )
 
 
+@torch.compiler.disable  # never traced by torch.compile (see _Capture.__call__): it runs eagerly where it is called
 def fused_cross_entropy_sum(
     hidden: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
@@ -440,28 +441,6 @@ def fused_support_problem(model: nn.Module, head_type: str | None, *, distribute
     return fused_head_problem(base)
 
 
-def check_fused_setting(*, model: Any, head_type: Any, backend: Any, source: Any, trainer_name: str) -> None:
-    """Once, at construction, with ``fused_lm_head=True``: ignored with a warning when the trainer computes its loss
-    itself (``source``: :class:`~hf_gradacc.step.engine.LossSource`); else refused with a
-    :class:`~hf_gradacc.GradAccConfigError` where it cannot run (the model, the head, the head on several processes).
-    The backend needs no check here: every backend GradAccTrainer resolves (DDP, DeepSpeed, FSDP2) is one the fused
-    head is tested under."""
-    from transformers.utils import logging
-
-    from ..errors import GradAccConfigError
-
-    if source.custom_compute_loss:
-        logging.get_logger(__name__).warning(
-            f"`fused_lm_head=True` is ignored: {trainer_name} computes its loss itself (an overridden "
-            "`compute_loss` or a `compute_loss_func`), so the LM head runs wherever that code runs it. Set "
-            "`fused_lm_head=False`, or leave the loss to hf_gradacc's built-in one."
-        )
-        return
-    problem = fused_support_problem(model, head_type, distributed=backend.mesh.dp_world_size > 1)
-    if problem is not None:
-        raise GradAccConfigError(f"`fused_lm_head=True` cannot run here: {problem}. Set `fused_lm_head=False`.")
-
-
 def _rows_of(inputs: dict[str, Any], row: int, batch_size: int) -> dict[str, Any]:
     return {
         k: v[row : row + 1] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == batch_size else v
@@ -538,6 +517,7 @@ class _Capture:
         self.box = _GradientBox()
         self.rows = 0
 
+    @torch.compiler.disable  # never traced: dynamo lost the tiles' gradients (every parameter's was 0, issue 36)
     def __call__(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.sum_loss is not None or hidden.shape[:-1] != self.targets.shape:
             raise GradAccLossError(
@@ -583,6 +563,7 @@ def fused_causal_lm_sum(
     tiles' gradients (computed in the forward pass) reach it."""
     from ..heads import unwrap_model
 
+    refuse_compiled_on_several_processes(model)
     base = unwrap_model(model)
     head = base.get_output_embeddings()
     missing = object()

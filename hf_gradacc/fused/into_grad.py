@@ -37,6 +37,9 @@ is never overwritten), for a float32 leaf weight on CPU without hooks, in a proc
 go when a loss runs without the fused head (evaluation, full logits), when a checkpoint save begins, and when training
 ends. It costs no peak: the buffer is the ``.grad`` it was, and the fused head makes it again at the end of the next
 forward pass; between the two only the optimizer step's end and the next forward's layers run, which hold less.
+
+The fused head is never traced by ``torch.compile`` (``torch.compiler.disable`` in :mod:`hf_gradacc.fused_head`);
+:func:`compiled_part` says where a model is compiled, for the choices that depend on it (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import GradAccUsageError
+from ..errors import GradAccConfigError, GradAccUsageError
 
 # the factor each weight's last fused backward pass received: the next forward pass's guess
 _LAST_SCALE: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -59,6 +62,7 @@ _ABANDONED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # each weight's last float32 gradient buffer, kept past `zero_grad(set_to_none=True)` inside keeping_buffers()
 _KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _KEEPING = [0]  # nesting depth of keeping_buffers()
+_UNFINISHED = [0]  # Written objects dropped without their attributes: the next begin() raises
 
 
 @dataclass(slots=True)
@@ -82,11 +86,14 @@ STATS = IntoGradStats()
 
 
 def _chain(model: Any) -> list[Any]:
-    """``model`` and what it wraps (``.module``: DDP, DeepSpeed's engine, accelerate's wrappers; PEFT's base)."""
+    """``model`` and what it wraps (``.module``: DDP, DeepSpeed's engine, accelerate's wrappers; ``torch.compile``'s
+    ``_orig_mod``; PEFT's base)."""
     seen = []
     while isinstance(model, nn.Module) and all(model is not m for m in seen):
         seen.append(model)
         inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            inner = model.__dict__.get("_modules", {}).get("_orig_mod")
         if not isinstance(inner, nn.Module):
             base = getattr(model, "base_model", None)
             inner = getattr(base, "model", None) if base is not None and base is not model else None
@@ -126,6 +133,36 @@ def _weight_refusal(weight: torch.Tensor, wrapper: Any, head: Any) -> str | None
 def _several_processes() -> bool:
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def compiled_part(model: Any) -> str | None:
+    """Which part of ``model`` (wrapped or not) ``torch.compile`` traces, in words, or None: a ``torch.compile(model)``
+    wrapper (``OptimizedModule``), a module compiled in place (``module.compile()``) or a ``forward`` replaced by a
+    compiled function, on the model, its wrappers or any module inside."""
+    if not isinstance(model, nn.Module):
+        return None
+    for name, module in model.named_modules():
+        where = f"`{name}`" if name else f"the model ({type(module).__name__})"
+        if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+            return f"{where} is wrapped by `torch.compile` (an OptimizedModule)"
+        if module.__dict__.get("_compiled_call_impl") is not None:
+            return f"{where} was compiled in place (`.compile()`)"
+        if hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable"):
+            return f"{where}'s `forward` is a `torch.compile`d function"
+    return None
+
+
+def refuse_compiled_on_several_processes(model: nn.Module) -> None:
+    """At each fused forward: a compiled model on several processes (untested with the fused head) raises, also where
+    it was compiled after the trainer's construction checked it."""
+    if not _several_processes():
+        return
+    compiled = compiled_part(model)
+    if compiled is not None:
+        raise GradAccConfigError(
+            f"fused_lm_head: {compiled}, on several processes; the fused head runs outside the compiled graph, which "
+            "is tested on one process only. Set `fused_lm_head=False`, or do not compile the model (`torch_compile`)."
+        )
 
 
 def into_grad_refusal(weight: torch.Tensor, wrapper: Any, head: Any = None) -> str | None:
@@ -265,18 +302,31 @@ class Written:
         return again.mul_(scale)
 
     def __del__(self) -> None:
-        if (
-            not self.settled
-            and self.version >= 0
-            and self.weight.grad is self.grad
-            and self.grad._version == self.version
-        ):
+        try:
+            abandoned = (
+                not self.settled
+                and self.version >= 0
+                and self.weight.grad is self.grad
+                and self.grad._version == self.version
+            )
+        except AttributeError:  # made without __init__ (a tracer's copy): the next begin() raises, never silently
+            _UNFINISHED[0] += 1
+            return
+        if abandoned:
             _ABANDONED[self.weight] = True
 
 
 def begin(weight: torch.Tensor, wrapper: Any, head: Any, recompute: Callable[[], torch.Tensor]) -> Written | None:
     """In the forward pass: a :class:`Written` when the weight gradient may go straight into ``weight.grad`` (the
     caller then adds ``written.alpha * G`` into ``written.grad`` and calls ``done_writing``), else None."""
+    if _UNFINISHED[0]:
+        _UNFINISHED[0] = 0
+        raise GradAccUsageError(
+            "fused_lm_head: a write of the fused LM head's weight gradient into `.grad` was made by an object whose "
+            "set-up never ran (torch.compile tracing the fused head does this), so the last update may be wrong. Run "
+            "the fused head outside compiled code (hf_gradacc disables torch.compile on it; a tracer that ignores "
+            "that cannot run it), or set `fused_lm_head=False`."
+        )
     if _ABANDONED.pop(weight, None):
         raise GradAccUsageError(
             "fused_lm_head: a fused LM-head loss was computed with gradient and never back-propagated, after its weight "

@@ -218,7 +218,7 @@ class StepEngine:
             host.current_gradient_accumulation_steps = max(window.num_micro_batches, 1)
         self.window = window
         if not window.streamed:
-            self.fused.decide(window)  # automatic: on the first step's counts, gathered over every rank
+            self.fused.decide(window, wrapped=host.model_wrapped)  # automatic: on the first step's counts
             self.events.fire_ours("on_window_counted", window=window)
         return window
 

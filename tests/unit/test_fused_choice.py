@@ -99,6 +99,30 @@ def test_memory_alone_turns_it_on_only_within_the_time_allowance() -> None:
     assert not choose(shape, state_bytes=10 * state, factors=factors(0.95)).enabled  # inside the speed margin
 
 
+def test_every_tile_costs_one_sweep_of_the_weight_gradient() -> None:
+    """The fused head's sweep term counts each row tile's pass over ``[vocabulary x hidden]``: at a fixed tile size
+    (vocabulary 8192, hidden 16: 1024-row tiles) 1, 2 and 5 tiles cost 1, 2 and 5 sweeps, and that term alone can
+    turn the decision from on to off."""
+    only_sweep = fused_choice.CostFactors(full_matmul=0, full_softmax=0, full_spill=0, full_call=0, fused_matmul=0,
+                                          fused_softmax=0, fused_sweep=1.0, fused_buffer=0, fused_call=0)  # fmt: skip
+    hidden, vocab = 16, 8192
+    tile = fused_choice.tile_of(1000, hidden, vocab)
+    assert tile == fused_head.tile_rows_for(vocab) == 1024
+    for rows, tiles in ((1000, 1), (2048, 2), (4097, 5)):
+        shape = HeadShape(counted=rows, positions=rows, hidden=hidden, vocab=vocab)
+        assert fused_choice.tiles_of(rows, hidden, vocab) == tiles
+        _, fused = fused_choice.predict_seconds(shape, only_sweep)
+        assert fused == pytest.approx(tiles * hidden * vocab), (rows, fused)
+    # the full logits cost 3 sweeps' worth: one tile is faster, five are not
+    three_sweeps = fused_choice.CostFactors(full_matmul=0, full_softmax=0, full_spill=0, full_call=3.0 * hidden * vocab,
+                                            fused_matmul=0, fused_softmax=0, fused_sweep=1.0, fused_buffer=0,
+                                            fused_call=0)  # fmt: skip
+    assert choose(HeadShape(counted=1000, positions=1000, hidden=hidden, vocab=vocab), state_bytes=1e12,
+                  factors=three_sweeps).enabled  # fmt: skip
+    assert not choose(HeadShape(counted=4097, positions=4097, hidden=hidden, vocab=vocab), state_bytes=1e12,
+                      factors=three_sweeps).enabled  # fmt: skip
+
+
 class _OwnLoss(GradAccTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -196,11 +196,86 @@ def test_a_gradient_someone_kept_is_never_overwritten():
 
 
 def test_a_hook_on_the_weight_keeps_no_buffer():
+    """The hook's tensor becomes ``.grad``, so the tiles' buffer would be a second [vocabulary x hidden] held for
+    nothing: not kept, checked while the buffers are being kept (leaving the context lets every buffer go anyway)."""
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 300, bias=False)
     head.weight.register_hook(lambda g: g * 1.0)  # autograd's .grad is the hook's tensor, not the tiles' buffer
-    _windows(head, 3, keep=True)
+    with into_grad.keeping_buffers():
+        for w in range(2):
+            for i in range(2):
+                hidden_rows, targets = _head_case(seed=10 * w + i)
+                (fused_cross_entropy_sum(hidden_rows, head.forward, targets, tile_rows=16) * 0.25).backward()
+                assert head.weight not in into_grad._KEPT, (w, i)
+            head.weight.grad = None
     assert into_grad.STATS.reused == 0 and not into_grad._KEPT, into_grad.STATS
+
+
+def test_a_replaced_grad_lets_the_kept_buffer_go():
+    """``.grad`` replaced by another tensor before the next window (as a user's code may): the kept buffer is nobody's
+    gradient any more and is let go at the next fused forward, not held until training ends."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False)
+    with into_grad.keeping_buffers():
+        hidden_rows, targets = _head_case(seed=0)
+        fused_cross_entropy_sum(hidden_rows, head.forward, targets, tile_rows=16).backward()
+        assert head.weight in into_grad._KEPT  # the first micro-batch's buffer, kept (it is .grad now)
+        head.weight.grad = torch.zeros_like(head.weight)  # replaced, not dropped
+        hidden_rows, targets = _head_case(seed=1)
+        fused_cross_entropy_sum(hidden_rows, head.forward, targets, tile_rows=16).backward()
+        assert head.weight not in into_grad._KEPT
+    assert into_grad.STATS.written == 1, into_grad.STATS  # the second micro-batch wrote into the new .grad
+
+
+def test_a_window_whose_first_micro_batch_counts_no_target_starts_from_zero():
+    """Window 2's first micro-batch counts no target (no row reaches the head): its weight gradient is a zero, written
+    into the buffer kept from window 1, which must then be zeroed, not left holding window 1's gradient."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False)
+
+    def windows(keep: bool) -> list[torch.Tensor]:
+        got = []
+        with into_grad.keeping_buffers() if keep else contextlib.nullcontext():
+            for w in range(2):
+                for i in range(2):
+                    hidden_rows, targets = _head_case(seed=10 * w + i)
+                    if w == 1 and i == 0:
+                        hidden_rows, targets = hidden_rows[:0], targets[:0]  # the counted rows of a prompt-only batch
+                    (fused_cross_entropy_sum(hidden_rows, head.forward, targets, tile_rows=16) * 0.25).backward()
+                got.append(head.weight.grad.clone())
+                head.weight.grad = None
+        return got
+
+    expected = windows(keep=False)
+    got = windows(keep=True)
+    assert into_grad.STATS.reused == 1, into_grad.STATS  # window 2's empty first micro-batch used the kept buffer
+    for w in range(2):
+        error = float((got[w] - expected[w]).norm() / expected[w].norm())
+        assert error <= 1e-6, (w, error)
+
+
+def test_a_trainer_window_whose_first_micro_batch_counts_no_target_is_exact():
+    """The same in an ordinary GradAccTrainer run (GA 2, two optimizer steps, sequential order): step 2's first
+    micro-batch is two prompt-only rows; the fused head's updates equal the full logits'."""
+    torch.manual_seed(0)
+    model = build_tiny_model("causal_lm")
+    samples = make_samples("causal_lm", 8, seed=5, min_length=4, max_length=30, ignore_fraction=0.5)
+    for sample in samples:  # every row has a counted target (its last label)
+        sample["labels"][-1] = sample["input_ids"][-1]
+    for sample in samples[4:6]:  # step 2's first micro-batch: prompt only
+        sample["labels"] = [-100] * len(sample["labels"])
+    updates = {}
+    for fused in (True, False):
+        args = one_step_args(per_device_train_batch_size=2, gradient_accumulation_steps=2, args_class=GradAccConfig,
+                             fused_lm_head=fused, max_steps=2, learning_rate=0.1,
+                             train_sampling_strategy="sequential")  # fmt: skip
+        into_grad.STATS = into_grad.IntoGradStats()
+        updates[fused], _ = one_step_update(GradAccTrainer, model, samples, args)
+        if fused:
+            assert into_grad.STATS.reused == 1, into_grad.STATS
+    for name, full in updates[False].items():
+        error = float((updates[True][name] - full).norm() / full.norm().clamp_min(1e-30))
+        assert error <= 1e-5, (name, error)
 
 
 class _Reuses(tf.TrainerCallback):
