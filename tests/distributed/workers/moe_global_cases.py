@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import hf_gradacc.moe_balance as moe_balance
+import hf_gradacc.step.engine as engine
 from hf_gradacc import GradAccConfig, GradAccTrainer
 from hf_gradacc.testing.moe_reference import global_balance_gradients
 from hf_gradacc.testing.one_step import one_step_args
@@ -84,15 +85,15 @@ def run_case(case: dict[str, Any], rank: int) -> dict[str, Any]:
     base = build_tiny_moe(case["family"], router_aux_loss_coef=0.1)
     work = copy.deepcopy(base)
     initial = {n: p.detach().clone() for n, p in work.named_parameters() if p.requires_grad}
-    original_prepass = moe_balance.routing_prepass
+    original_prepass = engine.routing_prepass  # the step's owner runs the pre-pass
     if case.get("local_counts"):  # every rank forms B from its own tokens only
-        moe_balance.routing_prepass = lambda *a, **k: original_prepass(*a, **{**k, "all_gather": lambda t: t[None]})
+        engine.routing_prepass = lambda *a, **k: original_prepass(*a, **{**k, "all_gather": lambda t: t[None]})
     try:
         trainer = GradAccTrainer(model=work, args=_args(case), train_dataset=ListDataset(samples),
                                  data_collator=PaddingCollator())  # fmt: skip
         trainer.train()
     finally:
-        moe_balance.routing_prepass = original_prepass
+        engine.routing_prepass = original_prepass
     backend = case.get("backend", "ddp")
     final = _final_parameters(trainer, backend)
     logs = trainer.state.log_history[0]
