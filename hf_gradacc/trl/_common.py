@@ -238,23 +238,27 @@ def agree_on_micro_batches(trainer: Any, num_local: int) -> None:
         )
 
 
-def generate_at_fetch(trainer: Any, prepare: Any, generation_batches: list[Any]) -> list[dict[str, Any]]:
-    """The step's micro-batches of an on-policy trainer (RLOO, Distillation), each generated and sliced by TRL's
-    ``prepare`` (the TRL class's own ``_prepare_inputs``) in order, with ``labels`` marking the counted completion
-    tokens: the processes agree on the number first, TRL's micro-batch counter and step timer advance as TRL's
-    ``training_step`` would (the mixin replaces it)."""
-    import time
+class GeneratesAtFetch:
+    """For hf_gradacc's on-policy TRL trainers (RLOO, Distillation), after :class:`~hf_gradacc.GradAccMixin` in the
+    bases: the step's micro-batches are generated when the step fetches them (``get_batch_samples``)."""
 
-    agree_on_micro_batches(trainer, len(generation_batches))
-    trainer.model.train()  # TRL keys generation, its buffer and its metrics on `model.training`
-    start = time.perf_counter()
-    batches = []
-    for generation_batch in generation_batches:
-        inputs = prepare(trainer, generation_batch)
-        trainer._step += 1
-        batches.append(with_completion_labels(inputs, ignore_index=trainer.head.ignore_index))
-    trainer._current_train_step_time += time.perf_counter() - start
-    return batches
+    def _generate_at_fetch(self, prepare: Any, generation_batches: list[Any]) -> list[dict[str, Any]]:
+        """The step's micro-batches, each generated and sliced by TRL's ``prepare`` (the TRL class's own
+        ``_prepare_inputs``) in order, with ``labels`` marking the counted completion tokens: the processes agree on
+        the number first, TRL's micro-batch counter and step timer advance as TRL's ``training_step`` would (the mixin
+        replaces it)."""
+        import time
+
+        agree_on_micro_batches(self, len(generation_batches))
+        self.model.train()  # TRL keys generation, its buffer and its metrics on `model.training`
+        start = time.perf_counter()
+        batches = []
+        for generation_batch in generation_batches:
+            inputs = prepare(self, generation_batch)
+            self._step += 1
+            batches.append(with_completion_labels(inputs, ignore_index=self.head.ignore_index))
+        self._current_train_step_time += time.perf_counter() - start
+        return batches
 
 
 def with_completion_labels(inputs: Mapping[str, Any], *, ignore_index: int) -> dict[str, Any]:

@@ -33,8 +33,8 @@ from ..errors import GradAccConfigError
 from ..loss import LossTerm
 from ..mixin import GradAccMixin
 from ._common import (
+    GeneratesAtFetch,
     check_args_class,
-    generate_at_fetch,
     refuse_uneven_micro_batches,
     training_window,
 )
@@ -57,7 +57,7 @@ class GradAccDistillationConfig(GradAccArguments, DistillationConfig):
     """
 
 
-class GradAccDistillationTrainer(GradAccMixin, DistillationTrainer):
+class GradAccDistillationTrainer(GradAccMixin, GeneratesAtFetch, DistillationTrainer):
     """TRL's `DistillationTrainer` whose optimizer step over N micro-batches on W ranks equals one full-batch step:
     the generalized JSD (``beta``; ``temperature``) summed over ALL the step's counted completion tokens over their
     number, counted by the window over every process.
@@ -109,7 +109,7 @@ class GradAccDistillationTrainer(GradAccMixin, DistillationTrainer):
         """The step's micro-batches, each generated and sliced by TRL's ``_prepare_inputs`` in order (TRL generates
         once per step and serves slices of its buffer), with ``labels`` marking the counted completion tokens."""
         generation_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        return generate_at_fetch(self, DistillationTrainer._prepare_inputs, generation_batches), None
+        return self._generate_at_fetch(DistillationTrainer._prepare_inputs, generation_batches), None
 
     def _prepare_inputs(self, inputs):
         """In a training step the micro-batch was prepared when the step was fetched: returned as it is."""

@@ -123,7 +123,7 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
     def _setup_gradacc(self, gradacc_args: Any) -> None:
         """The mixin's setup, then GRPO's refusals (also run by :func:`~hf_gradacc.make_exact`)."""
         super()._setup_gradacc(gradacc_args)
-        _refuse_grpo_settings(self)
+        self._refuse_grpo_settings()
         refuse_uneven_micro_batches(self, rows_gathered=True)
 
     # ------------------------------------------------------------------ fetch: generate before counting
@@ -222,75 +222,76 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
         return float(self.entropy_coef)
 
 
-def _refuse_grpo_settings(trainer: Any) -> None:
-    """The GRPO settings no split of the step into sums can reproduce, or that would replace TRL's dataloader."""
-    args, settings, name = trainer.args, trainer.gradacc, type(trainer).__name__
-    _refuse_grpo_before_fused_head(trainer)
-    if trainer.loss_type not in _GRPO_DENOMINATORS:
-        raise GradAccConfigError(
-            f"`loss_type` {trainer.loss_type!r} is not one {name} knows how TRL normalises; it cannot make it exact. "
-            f"Use one of {sorted(_GRPO_DENOMINATORS)}."
-        )
-    quantile = trainer.top_entropy_quantile
-    if quantile < 1.0 and trainer._entropy_bonus_enabled:
-        raise GradAccConfigError(
-            f"`top_entropy_quantile` ({quantile}) < 1 with an entropy bonus (`entropy_coef` / `use_adaptive_entropy`): "
-            "TRL's bonus is then a mean over the tokens above a quantile of each micro-batch's entropies, a count "
-            f"{name} cannot gather over the step. Set `top_entropy_quantile=1.0`, or turn the entropy bonus off."
-        )
-    if quantile < 1.0 and args.gradient_accumulation_steps > 1:
-        raise GradAccConfigError(
-            f"`top_entropy_quantile` ({quantile}) < 1 keeps the tokens above a quantile of ONE micro-batch's "
-            "entropies, so the step depends on how its completions are grouped (gradient_accumulation_steps="
-            f"{args.gradient_accumulation_steps}). Set `top_entropy_quantile=1.0`, or `gradient_accumulation_steps=1` "
-            "(the quantile is then over the step's tokens, gathered over processes)."
-        )
-    if settings.regroups:
-        raise GradAccConfigError(
-            f"`regroup_micro_batches` / `max_tokens_per_micro_batch` / `pack_micro_batches` is not supported by {name}: "
-            "GRPO's dataloader yields generation batches of prompts (TRL's RepeatSampler), whose completions exist "
-            "only after generation. Turn them off."
-        )
-    if settings.accumulation_schedule is not None:
-        raise GradAccConfigError(
-            f"`accumulation_schedule` is not supported by {name}: TRL's generation cadence and its choice to keep the "
-            "generation-time log-probabilities follow the fixed `gradient_accumulation_steps`. Remove "
-            "`accumulation_schedule`."
-        )
+
+    def _refuse_grpo_settings(self) -> None:
+        """The GRPO settings no split of the step into sums can reproduce, or that would replace TRL's dataloader."""
+        args, settings, name = self.args, self.gradacc, type(self).__name__
+        self._refuse_grpo_before_fused_head()
+        if self.loss_type not in _GRPO_DENOMINATORS:
+            raise GradAccConfigError(
+                f"`loss_type` {self.loss_type!r} is not one {name} knows how TRL normalises; it cannot make it exact. "
+                f"Use one of {sorted(_GRPO_DENOMINATORS)}."
+            )
+        quantile = self.top_entropy_quantile
+        if quantile < 1.0 and self._entropy_bonus_enabled:
+            raise GradAccConfigError(
+                f"`top_entropy_quantile` ({quantile}) < 1 with an entropy bonus (`entropy_coef` / `use_adaptive_entropy`): "
+                "TRL's bonus is then a mean over the tokens above a quantile of each micro-batch's entropies, a count "
+                f"{name} cannot gather over the step. Set `top_entropy_quantile=1.0`, or turn the entropy bonus off."
+            )
+        if quantile < 1.0 and args.gradient_accumulation_steps > 1:
+            raise GradAccConfigError(
+                f"`top_entropy_quantile` ({quantile}) < 1 keeps the tokens above a quantile of ONE micro-batch's "
+                "entropies, so the step depends on how its completions are grouped (gradient_accumulation_steps="
+                f"{args.gradient_accumulation_steps}). Set `top_entropy_quantile=1.0`, or `gradient_accumulation_steps=1` "
+                "(the quantile is then over the step's tokens, gathered over processes)."
+            )
+        if settings.regroups:
+            raise GradAccConfigError(
+                f"`regroup_micro_batches` / `max_tokens_per_micro_batch` / `pack_micro_batches` is not supported by {name}: "
+                "GRPO's dataloader yields generation batches of prompts (TRL's RepeatSampler), whose completions exist "
+                "only after generation. Turn them off."
+            )
+        if settings.accumulation_schedule is not None:
+            raise GradAccConfigError(
+                f"`accumulation_schedule` is not supported by {name}: TRL's generation cadence and its choice to keep the "
+                "generation-time log-probabilities follow the fixed `gradient_accumulation_steps`. Remove "
+                "`accumulation_schedule`."
+            )
 
 
-def _refuse_grpo_before_fused_head(trainer: Any) -> None:
-    """What GRPO reads from TRL's fused LM head (TRL >= 1.15), or from TRL >= 1.10's normalisers, refused on older
-    TRL naming the field: TRL 1.9 computes the entropies and the router loss inside ``_compute_loss``, out of reach."""
-    name = type(trainer).__name__
-    if trainer._entropy_bonus_enabled:
-        refuse_before(
-            TRL_FUSED_LM_HEAD, f"{name}'s entropy bonus (`entropy_coef` / `use_adaptive_entropy`)",
-            "hf_gradacc reads the per-token entropies from the outputs of TRL's fused LM head to keep the bonus as its "
-            "own term over the step's tokens, and older TRL computes them from the logits inside its loss",
-            "Set `entropy_coef=0.0` and `use_adaptive_entropy=False`",
-        )  # fmt: skip
-    if trainer.aux_loss_enabled:
-        refuse_before(
-            TRL_FUSED_LM_HEAD, f"{name} with a mixture-of-experts router loss (`router_aux_loss_coef`)",
-            "hf_gradacc reads the router loss from the outputs of TRL's fused LM head to weight it by routed tokens, "
-            "and older TRL computes it inside its loss",
-            "Set `router_aux_loss_coef=0.0`",
-        )  # fmt: skip
-    exact_luspo = (
-        trainer.importance_sampling_level == "sequence"
-        and trainer.beta == 0.0
-        and trainer.top_entropy_quantile == 1.0
-        and not (trainer.use_vllm and trainer.vllm_importance_sampling_correction)
-    )
-    if trainer.loss_type == "luspo" and not exact_luspo:
-        refuse_before(
-            TRL_GRPO_STEP_NORMALISED, f'{name} with `loss_type="luspo"` and a per-token loss',
-            "TRL 1.9's luspo averages the per-token loss times each sequence's length over every position of the "
-            "micro-batch, padding included, so the step depends on how completions are padded together",
-            'Use `importance_sampling_level="sequence"` with `beta=0.0` (the LUSPO paper\'s setup), or another '
-            "`loss_type`",
-        )  # fmt: skip
+    def _refuse_grpo_before_fused_head(self) -> None:
+        """What GRPO reads from TRL's fused LM head (TRL >= 1.15), or from TRL >= 1.10's normalisers, refused on older
+        TRL naming the field: TRL 1.9 computes the entropies and the router loss inside ``_compute_loss``, out of reach."""
+        name = type(self).__name__
+        if self._entropy_bonus_enabled:
+            refuse_before(
+                TRL_FUSED_LM_HEAD, f"{name}'s entropy bonus (`entropy_coef` / `use_adaptive_entropy`)",
+                "hf_gradacc reads the per-token entropies from the outputs of TRL's fused LM head to keep the bonus as its "
+                "own term over the step's tokens, and older TRL computes them from the logits inside its loss",
+                "Set `entropy_coef=0.0` and `use_adaptive_entropy=False`",
+            )  # fmt: skip
+        if self.aux_loss_enabled:
+            refuse_before(
+                TRL_FUSED_LM_HEAD, f"{name} with a mixture-of-experts router loss (`router_aux_loss_coef`)",
+                "hf_gradacc reads the router loss from the outputs of TRL's fused LM head to weight it by routed tokens, "
+                "and older TRL computes it inside its loss",
+                "Set `router_aux_loss_coef=0.0`",
+            )  # fmt: skip
+        exact_luspo = (
+            self.importance_sampling_level == "sequence"
+            and self.beta == 0.0
+            and self.top_entropy_quantile == 1.0
+            and not (self.use_vllm and self.vllm_importance_sampling_correction)
+        )
+        if self.loss_type == "luspo" and not exact_luspo:
+            refuse_before(
+                TRL_GRPO_STEP_NORMALISED, f'{name} with `loss_type="luspo"` and a per-token loss',
+                "TRL 1.9's luspo averages the per-token loss times each sequence's length over every position of the "
+                "micro-batch, padding included, so the step depends on how completions are padded together",
+                'Use `importance_sampling_level="sequence"` with `beta=0.0` (the LUSPO paper\'s setup), or another '
+                "`loss_type`",
+            )  # fmt: skip
 
 
 def _grpo_loss_mask(inputs: Mapping[str, Any]) -> torch.Tensor:

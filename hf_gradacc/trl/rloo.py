@@ -29,8 +29,8 @@ from ..errors import GradAccConfigError
 from ..loss import LossTerm
 from ..mixin import GradAccMixin
 from ._common import (
+    GeneratesAtFetch,
     check_args_class,
-    generate_at_fetch,
     refuse_uneven_micro_batches,
     training_window,
 )
@@ -72,7 +72,7 @@ def refuse_single_generation(num_generations: Any) -> None:
         )
 
 
-class GradAccRLOOTrainer(GradAccMixin, RLOOTrainer):
+class GradAccRLOOTrainer(GradAccMixin, GeneratesAtFetch, RLOOTrainer):
     """TRL's `RLOOTrainer` whose optimizer step over N micro-batches on W ranks equals one full-batch step: the mean
     over ALL the step's completions of the clipped per-sequence RLOO loss, whatever ``steps_per_generation`` and
     ``num_iterations``, counted by the window over every process.
@@ -129,7 +129,7 @@ class GradAccRLOOTrainer(GradAccMixin, RLOOTrainer):
         """The step's micro-batches, each generated, scored and sliced by TRL's ``_prepare_inputs`` in order (TRL
         generates once every ``steps_per_generation x num_iterations`` micro-batches)."""
         generation_batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        return generate_at_fetch(self, RLOOTrainer._prepare_inputs, generation_batches), None
+        return self._generate_at_fetch(RLOOTrainer._prepare_inputs, generation_batches), None
 
     def _prepare_inputs(self, inputs):
         """In a training step the micro-batch was prepared when the step was fetched: returned as it is."""
