@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..backends.wrappers import distributed_grad_write_refusal, several_processes, sharded_by
 from ..errors import GradAccConfigError, GradAccUsageError
 
 # the factor each weight's last fused backward pass received: the next forward pass's guess
@@ -85,31 +86,6 @@ class IntoGradStats:
 STATS = IntoGradStats()
 
 
-def _chain(model: Any) -> list[Any]:
-    """``model`` and what it wraps (``.module``: DDP, DeepSpeed's engine, accelerate's wrappers; ``torch.compile``'s
-    ``_orig_mod``; PEFT's base)."""
-    seen = []
-    while isinstance(model, nn.Module) and all(model is not m for m in seen):
-        seen.append(model)
-        inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            inner = model.__dict__.get("_modules", {}).get("_orig_mod")
-        if not isinstance(inner, nn.Module):
-            base = getattr(model, "base_model", None)
-            inner = getattr(base, "model", None) if base is not None and base is not model else None
-        model = inner
-    return seen
-
-
-def _is_sharded_wrapper(module: Any) -> str | None:
-    names = {cls.__name__ for cls in type(module).__mro__}
-    if "DeepSpeedEngine" in names:
-        return "DeepSpeed"
-    if names & {"FSDPModule", "FullyShardedDataParallel"}:
-        return "FSDP"
-    return None
-
-
 def _weight_refusal(weight: torch.Tensor, wrapper: Any, head: Any) -> str | None:
     """What refuses both ways of managing the weight's float32 gradient by hand, whatever its ``.grad``: the device,
     the dtype, a tensor subclass, a hook, a sharded weight or wrapper."""
@@ -121,18 +97,7 @@ def _weight_refusal(weight: torch.Tensor, wrapper: Any, head: Any) -> str | None
         return "a tensor subclass (DTensor)"
     if weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None):
         return "a hook on the weight"
-    if any(hasattr(weight, attr) for attr in ("ds_id", "ds_tensor", "_fsdp_flattened")):
-        return "a sharded weight"
-    for module in _chain(wrapper) + ([head] if isinstance(head, nn.Module) else []):
-        sharded = _is_sharded_wrapper(module)
-        if sharded:
-            return sharded
-    return None
-
-
-def _several_processes() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return sharded_by(weight, wrapper, head)  # the backends' answer: a ZeRO / FSDP shard or wrapper
 
 
 def compiled_part(model: Any) -> str | None:
@@ -155,7 +120,7 @@ def compiled_part(model: Any) -> str | None:
 def refuse_compiled_on_several_processes(model: nn.Module) -> None:
     """At each fused forward: a compiled model on several processes (untested with the fused head) raises, also where
     it was compiled after the trainer's construction checked it."""
-    if not _several_processes():
+    if not several_processes():
         return
     compiled = compiled_part(model)
     if compiled is not None:
@@ -183,20 +148,7 @@ def into_grad_refusal(weight: torch.Tensor, wrapper: Any, head: Any = None) -> s
         return "a tensor subclass (DTensor)"
     if grad.layout != torch.strided or not grad.is_contiguous() or grad.shape != weight.shape:
         return "a non-contiguous .grad"
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if wrapper is None:
-        return "torch.distributed without a known wrapper"
-    modules = _chain(wrapper) + ([head] if isinstance(head, nn.Module) else [])
-    ddp = next((m for m in modules if isinstance(m, nn.parallel.DistributedDataParallel)), None)
-    if ddp is None:
-        return "several processes without DDP" if _several_processes() else None
-    if getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "_delay_all_reduce_all_params", False):
-        return "DDP's python reducer"
-    if ddp.require_backward_grad_sync:
-        return "the synchronising DDP backward"
-    return None
+    return distributed_grad_write_refusal(wrapper, head)  # the backends' answer: DDP's state, several processes
 
 
 @contextlib.contextmanager
@@ -239,7 +191,7 @@ def _storage_refs(tensor: torch.Tensor) -> int | None:
 
 def _may_keep(weight: torch.Tensor, wrapper: Any, head: Any) -> bool:
     """A kept buffer's conditions on the weight: a float32 leaf on CPU, no hook, not sharded, in one process."""
-    return weight.is_leaf and _weight_refusal(weight, wrapper, head) is None and not _several_processes()
+    return weight.is_leaf and _weight_refusal(weight, wrapper, head) is None and not several_processes()
 
 
 def kept_buffer(weight: torch.Tensor, wrapper: Any, head: Any) -> torch.Tensor | None:
