@@ -114,15 +114,7 @@ class Backend:
         if self._mesh is None:
             model = self.model if self.model is not None else self._built_model
             self._mesh = mesh_from_accelerator(self.accelerator, model)
-            import os  # AUDIT (temporary)
-
-            if os.environ.get("HF_GRADACC_MESH_AUDIT") and self._mesh.dp_world_size != self._legacy_dp_world_size():
-                raise AssertionError(f"MESH AUDIT: {type(self).__name__} mesh {self._mesh} dp_world_size "
-                                     f"{self._mesh.dp_world_size} != legacy {self._legacy_dp_world_size()}")
         return self._mesh
-
-    def _legacy_dp_world_size(self) -> int:  # AUDIT (temporary)
-        return self.accelerator.num_processes
 
     @property
     def model_parallelism(self) -> str | None:

@@ -281,9 +281,6 @@ class DeepSpeedBackend(Backend):
             return 1
         return int(getattr(pc, "sp_size", None) or 1)
 
-    def _legacy_dp_world_size(self) -> int:  # AUDIT (temporary)
-        return self.accelerator.num_processes // self.sequence_parallel_size
-
     def _check_process_count(self) -> None:
         import torch.distributed as dist
 

@@ -141,16 +141,6 @@ class TensorParallelBackend(FSDP2Backend):
     def _has_fsdp(self) -> bool:
         return self._sizes is not None and self._sizes["dp_replicate"] * self._sizes["dp_shard"] > 1
 
-    def _legacy_dp_world_size(self) -> int:  # AUDIT (temporary)
-        from .mesh import Mesh as _M
-
-        if self._sizes is None:
-            pc = getattr(self.accelerator, "parallelism_config", None)
-            sizes = {"dp_shard": int(getattr(pc, "dp_shard_size", 1) or 1),
-                     "dp_replicate": int(getattr(pc, "dp_replicate_size", 1) or 1)}  # fmt: skip
-            return _M.of(sizes).dp_world_size
-        return _M.of(self._sizes).dp_world_size
-
     def kind(self) -> str:
         sizes = self._sizes or {}
         parts = [f"TP {sizes['tp']}"] if sizes.get("tp", 1) > 1 else []
