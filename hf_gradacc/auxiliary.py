@@ -79,7 +79,8 @@ def model_aux_terms(
     if found and callable(num_input_tokens):  # counted only for a model that returns router terms
         num_input_tokens = num_input_tokens()
     terms = {
-        name: LossTerm(total=value * (coef * num_input_tokens), normalize_by="input_tokens") for name, value, coef in found
+        name: LossTerm(total=value * (coef * num_input_tokens), normalize_by="input_tokens")
+        for name, value, coef in found
     }
     balance = [(value, coef) for name, value, coef in found if name == BALANCE_TERM]
     if routing is not None and routing.global_counts is not None and balance:
@@ -152,7 +153,9 @@ def split_model_loss(
     """
     for outputs in outputs_seen:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
-        if not (torch.is_tensor(loss) and loss.numel() == 1 and torch.equal(loss.detach().reshape(()), plain.detach())):
+        if not (
+            torch.is_tensor(loss) and loss.numel() == 1 and torch.equal(loss.detach().reshape(()), plain.detach())
+        ):
             continue
         routers = _router_losses(model, outputs)
         if not routers:

@@ -103,9 +103,19 @@ def builtin_loss(
             "`fused_lm_head=False`, or drop the weights column."
         )
     if fused_lm_head:
-        return _fused_loss(head, model, inputs, labels, shift_labels, denominator=denominator, check=with_model_loss,
-                           routing=routing, micro_batch_index=micro_batch_index,
-                           all_gather=all_gather or (lambda row: row[None]), num_input_tokens=num_input_tokens)
+        return _fused_loss(
+            head,
+            model,
+            inputs,
+            labels,
+            shift_labels,
+            denominator=denominator,
+            check=with_model_loss,
+            routing=routing,
+            micro_batch_index=micro_batch_index,
+            all_gather=all_gather or (lambda row: row[None]),
+            num_input_tokens=num_input_tokens,
+        )
     outputs = None
     if with_model_loss and labels is not None:
         try:  # the model's own loss from the same forward; a model that cannot compute one is simply not checked
@@ -126,17 +136,33 @@ def builtin_loss(
         outputs = model(**inputs)
     if weights is not None:
         total = weighted_loss_sum(
-            logits_of(outputs), labels, weights, head_type=head.type or "masked_lm", ignore_index=head.ignore_index,
-            shift_labels=shift_labels, problem_type=head.problem_type_of(labels), label_smoothing=head.label_smoothing,
-        )  # fmt: skip
+            logits_of(outputs),
+            labels,
+            weights,
+            head_type=head.type or "masked_lm",
+            ignore_index=head.ignore_index,
+            shift_labels=shift_labels,
+            problem_type=head.problem_type_of(labels),
+            label_smoothing=head.label_smoothing,
+        )
         terms = {MAIN_TERM: LossTerm(total=total, normalize_by=WEIGHTS)}
     else:
         terms = {
-            MAIN_TERM: LossTerm(total=head.sum_loss(logits_of(outputs), labels, shift_labels), normalize_by=denominator)
+            MAIN_TERM: LossTerm(
+                total=head.sum_loss(logits_of(outputs), labels, shift_labels), normalize_by=denominator
+            )
         }
     routed = num_input_tokens if num_input_tokens is not None else (lambda: input_token_count(inputs))
-    terms.update(model_aux_terms(model, outputs, routed, routing=routing,
-                                 attention_mask=inputs.get("attention_mask"), index=micro_batch_index))
+    terms.update(
+        model_aux_terms(
+            model,
+            outputs,
+            routed,
+            routing=routing,
+            attention_mask=inputs.get("attention_mask"),
+            index=micro_batch_index,
+        )
+    )
     return terms, outputs
 
 
@@ -170,9 +196,11 @@ def _fused_loss(
     if check:  # every rank runs it (its forwards gather sharded weights) and every rank stops if one rank's fails
         causal = head.type == "causal_lm"  # the check's row cut to its first targets: fewer full logits
         one = (check_row(inputs, targets, labels, shift_labels, ignore_index=ignore) if causal else None) or CheckRow(
-            inputs, targets, labels, shift_labels)  # fmt: skip
-        pair = fused_row_check(model, one.inputs, one.targets, labels=one.labels, shift_labels=one.shift_labels,
-                               ignore_index=ignore)  # fmt: skip
+            inputs, targets, labels, shift_labels
+        )
+        pair = fused_row_check(
+            model, one.inputs, one.targets, labels=one.labels, shift_labels=one.shift_labels, ignore_index=ignore
+        )
         verdict = check_builtin(pair[0], torch.tensor(pair[1])) if pair is not None else LossCheck()
         try:
             agree(verdict, all_gather, targets.device)
@@ -180,8 +208,16 @@ def _fused_loss(
             raise GradAccLossError(f"{error} (fused_lm_head: compared on the first row with a target)") from None
     terms = {MAIN_TERM: LossTerm(total=result.sum_loss, normalize_by=denominator)}
     routed = num_input_tokens if num_input_tokens is not None else (lambda: input_token_count(inputs))
-    terms.update(model_aux_terms(model, result.backbone, routed, routing=routing,
-                                 attention_mask=inputs.get("attention_mask"), index=micro_batch_index))
+    terms.update(
+        model_aux_terms(
+            model,
+            result.backbone,
+            routed,
+            routing=routing,
+            attention_mask=inputs.get("attention_mask"),
+            index=micro_batch_index,
+        )
+    )
     return terms, result.backbone
 
 

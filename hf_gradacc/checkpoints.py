@@ -50,9 +50,14 @@ DATA_NAME = "hf_gradacc_data.json"  # what the data position means: batch, GA / 
 _MARKERS = (SAVING_NAME, COMPLETE_NAME, f".{COMPLETE_NAME}.tmp")
 # What `Trainer._load_from_checkpoint` accepts as model weights (full, sharded, PEFT adapter, FSDP, DeepSpeed).
 _WEIGHTS = (
-    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
-    "adapter_model.safetensors", "adapter_model.bin", "pytorch_model_fsdp.bin",
-)  # fmt: skip
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "pytorch_model_fsdp.bin",
+)
 _OPTIMIZER = ("optimizer.pt", "optimizer.bin")
 _SCHEDULER = "scheduler.pt"
 _TORCH_SAVE = (".pt", ".pth", ".bin")
@@ -128,13 +133,21 @@ def _resume_needs(path: str, files: dict[str, int], world_size: int, rank: int |
         missing.append(f"{TRAINER_STATE_NAME} is missing")
     deepspeed_dir = _deepspeed_dir(path)
     sharded = [d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))]
-    if not any(n in files for n in _WEIGHTS) and deepspeed_dir is None and not any("pytorch_model_fsdp" in d for d in sharded):
+    if (
+        not any(n in files for n in _WEIGHTS)
+        and deepspeed_dir is None
+        and not any("pytorch_model_fsdp" in d for d in sharded)
+    ):
         missing.append(f"the model weights are missing (none of {list(_WEIGHTS[:2])})")
     if deepspeed_dir is None:
         if not any(n in files for n in _OPTIMIZER) and not any(d.startswith("optimizer") for d in sharded):
-            missing.append(_missing("optimizer.pt") + "; a checkpoint saved with `save_only_model=True` cannot be resumed")
+            missing.append(
+                _missing("optimizer.pt") + "; a checkpoint saved with `save_only_model=True` cannot be resumed"
+            )
         elif _SCHEDULER not in files:
-            missing.append(f"{_SCHEDULER} is missing (the stock resume then loads neither the optimizer nor the scheduler)")
+            missing.append(
+                f"{_SCHEDULER} is missing (the stock resume then loads neither the optimizer nor the scheduler)"
+            )
     rng = [n for n in files if re.fullmatch(r"rng_state(_\d+)?\.pth", n)]
     if world_size > 1 and any(n != "rng_state.pth" for n in rng):
         saved = min(world_size, _saved_world_size(path) or world_size)  # a rank the save did not have reads none
@@ -200,8 +213,10 @@ def checkpoint_problems(path: str, *, world_size: int = 1, rank: int | None = No
     else:
         problems = []
         if os.path.isfile(os.path.join(path, SAVING_NAME)):
-            problems.append(f"the save never finished ({SAVING_NAME} without {COMPLETE_NAME}: the run was likely "
-                            "killed while saving)")  # fmt: skip
+            problems.append(
+                f"the save never finished ({SAVING_NAME} without {COMPLETE_NAME}: the run was likely "
+                "killed while saving)"
+            )
         files = _listing(path)
         problems += _resume_needs(path, files, world_size, rank)
     for rel, size in files.items():
@@ -276,8 +291,12 @@ def latest_complete_checkpoint(output_dir: str, *, world_size: int = 1, rank: in
         trainer.train(resume_from_checkpoint=latest_complete_checkpoint(args.output_dir))
         ```
     """
-    problems = _agreed({name: checkpoint_problems(os.path.join(output_dir, name), world_size=world_size, rank=rank)
-                        for _, name in _checkpoints(output_dir)})  # fmt: skip
+    problems = _agreed(
+        {
+            name: checkpoint_problems(os.path.join(output_dir, name), world_size=world_size, rank=rank)
+            for _, name in _checkpoints(output_dir)
+        }
+    )
     skipped = []
     for name in sorted(problems, key=lambda n: int(_CHECKPOINT.match(n).group(1)), reverse=True):
         if not problems[name]:
@@ -326,12 +345,24 @@ def resolve_resume(
 # What the data position of a checkpoint means. The stock resume skips `global_step` x (the NEW run's samples per step)
 # of the epoch's order; hf_gradacc records where the epoch stands in samples instead (`DataPosition`), so a change of
 # the first five fields is carried over exactly (`ResumePoint`); a change of any other one cannot be.
-_RELAYOUT_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "accumulation_schedule", "world_size",
-                    "data_parallel_size")  # the processes, and the ranks among them that hold different samples
+_RELAYOUT_FIELDS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "accumulation_schedule",
+    "world_size",
+    "data_parallel_size",
+)  # the processes, and the ranks among them that hold different samples
 _LAYOUT_FIELDS = (
-    *_RELAYOUT_FIELDS, "num_train_samples", "seed", "data_seed", "dataloader_drop_last", "train_sampling_strategy",
-    "regroup_micro_batches", "max_tokens_per_micro_batch", "pack_micro_batches",
-)  # fmt: skip
+    *_RELAYOUT_FIELDS,
+    "num_train_samples",
+    "seed",
+    "data_seed",
+    "dataloader_drop_last",
+    "train_sampling_strategy",
+    "regroup_micro_batches",
+    "max_tokens_per_micro_batch",
+    "pack_micro_batches",
+)
 # Samplers whose epoch order depends on neither the batch size nor the number of ranks (the seed and epoch only).
 _PREFIX_SAMPLING = ("random", "sequential")
 _UNKNOWN_IF_NONE = ("per_device_train_batch_size", "num_train_samples")  # auto_find_batch_size, an IterableDataset
@@ -489,9 +520,10 @@ def check_data_layout(
     differs = [
         name
         for name in _LAYOUT_FIELDS
-        if name in saved and saved[name] != current.get(name)
+        if name in saved
+        and saved[name] != current.get(name)
         and not (name in _UNKNOWN_IF_NONE and None in (saved[name], current.get(name)))
-    ]  # fmt: skip
+    ]
     if step == 0:
         return None
     position = _saved_position(saved)
@@ -503,15 +535,16 @@ def check_data_layout(
         elif position is None or position.num_samples is None:
             why_not = "the checkpoint did not record its position in samples" + (
                 " (its samples were not a prefix of the epoch's order: no dataset length, or group_by_length)"
-                if position is not None else " (saved by an older hf_gradacc)"
-            )  # fmt: skip
+                if position is not None
+                else " (saved by an older hf_gradacc)"
+            )
     if hard or why_not is not None:
         changes = ", ".join(f"{name}={saved[name]!r} (this run: {current.get(name)!r})" for name in differs)
         reason = (
             f"a changed {', '.join(n for n in differs if n in _RELAYOUT_FIELDS)} cannot be carried over: {why_not}"
-            if why_not is not None else
-            "these decide which samples each step takes and cannot be carried over"
-        )  # fmt: skip
+            if why_not is not None
+            else "these decide which samples each step takes and cannot be carried over"
+        )
         if mismatch == "accept":
             logger.warning(
                 f"Resuming {path!r} (step {step}) with {changes} (`resume_data_mismatch='accept'`): {reason}. The "
@@ -613,13 +646,21 @@ def checkpoint_save(
             json.dump(record(), f, indent=1)
         _write_marker(folder)
         rotate_checkpoints(
-            output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=state.best_model_checkpoint, use_mtime=True
+            output_dir=run_dir,
+            save_total_limit=limit,
+            best_model_checkpoint=state.best_model_checkpoint,
+            use_mtime=True,
         )
 
 
 # ---------------------------------------------------------------------------------------------- the resumed weights
 # What `Trainer._load_from_checkpoint` reads as the model's weights, in its order of preference.
-_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
 _NAMES_SHOWN = 6
 
 
@@ -775,4 +816,6 @@ def _saved_version(folder: str) -> str:
 
 
 def _names(names: list[str]) -> str:
-    return ", ".join(names[:_NAMES_SHOWN]) + (f", ... ({len(names) - _NAMES_SHOWN} more)" if len(names) > _NAMES_SHOWN else "")
+    return ", ".join(names[:_NAMES_SHOWN]) + (
+        f", ... ({len(names) - _NAMES_SHOWN} more)" if len(names) > _NAMES_SHOWN else ""
+    )

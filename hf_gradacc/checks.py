@@ -50,7 +50,8 @@ class LossCheck:
 
     def as_tensor(self, device: torch.device | str) -> torch.Tensor:
         return torch.tensor(
-            [float(self.code), self.ours, self.model, float(self.world_size), self.ratio], dtype=torch.float64,
+            [float(self.code), self.ours, self.model, float(self.world_size), self.ratio],
+            dtype=torch.float64,
             device=device,
         )
 
@@ -76,7 +77,7 @@ class LossCheck:
                 f"its {self.ratio:.0f} counted items: an unnormalised SUM. hf_gradacc reads a plain tensor as the "
                 f"micro-batch's MEAN and would train a gradient ~{self.ratio:.0f}x too large. Divide the sum by "
                 "`num_items_in_batch` (hf_gradacc passes this micro-batch's count), or return "
-                "hf_gradacc.LossTerm(total=<sum>, normalize_by=\"tokens\" | \"samples\"), or set "
+                'hf_gradacc.LossTerm(total=<sum>, normalize_by="tokens" | "samples"), or set '
                 "`check_loss_at_start=False` if the value is meant."
             )
         factor = {
@@ -114,8 +115,13 @@ def check_plain(returned: float, model_mean: float, *, world_size: int, local: i
     if not (math.isfinite(returned) and math.isfinite(model_mean)) or model_mean == 0 or local == 0:
         return LossCheck()
     share = local / max(global_count, 1)
-    candidates = {OK: 1.0, WORLD_FACTOR: float(world_size), GLOBAL_COUNT: share, GLOBAL_COUNT_AND_WORLD: share * world_size,
-                  UNNORMALISED_SUM: float(local)}  # fmt: skip
+    candidates = {
+        OK: 1.0,
+        WORLD_FACTOR: float(world_size),
+        GLOBAL_COUNT: share,
+        GLOBAL_COUNT_AND_WORLD: share * world_size,
+        UNNORMALISED_SUM: float(local),
+    }
     ratio = returned / model_mean
     code, factor = min(candidates.items(), key=lambda kv: abs(math.log(max(ratio, 1e-12) / kv[1])))
     others = [f for c, f in candidates.items() if c != code and not math.isclose(f, factor, rel_tol=1e-9)]
@@ -149,9 +155,12 @@ def start_up_check(
     if own is None:
         return LossCheck()
     return check_plain(
-        float(parsed.plain.detach().float()), own, world_size=dp_world_size,
-        local=counts.get(denominator), global_count=window.global_count(denominator),
-    )  # fmt: skip
+        float(parsed.plain.detach().float()),
+        own,
+        world_size=dp_world_size,
+        local=counts.get(denominator),
+        global_count=window.global_count(denominator),
+    )
 
 
 def agree(check: LossCheck, all_gather: Any, device: torch.device | str) -> None:

@@ -78,77 +78,191 @@ def _trainer(name: str, kind: Kind, used_by: str, *params: str) -> PrivateMember
 
 # transformers.Trainer: the step loop (mixin.py, step.py), the data path (data/loader.py) and callbacks.
 TRAINER_MEMBERS: tuple[PrivateMember, ...] = (
-    _trainer("_run_epoch", "override", "mixin.py: one window per optimizer step", "model", "epoch",
-             "train_dataloader", "steps_in_epoch", "num_update_steps_per_epoch", "trial", "ignore_keys_for_eval",
-             "start_time", "resume_from_checkpoint", "epochs_trained", "steps_trained_in_current_epoch"),
-    _trainer("_init_training_state", "override", "mixin.py: resuming under an accumulation schedule", "max_steps",
-             "num_update_steps_per_epoch", "num_train_epochs", "resume_from_checkpoint", "trial"),
+    _trainer(
+        "_run_epoch",
+        "override",
+        "mixin.py: one window per optimizer step",
+        "model",
+        "epoch",
+        "train_dataloader",
+        "steps_in_epoch",
+        "num_update_steps_per_epoch",
+        "trial",
+        "ignore_keys_for_eval",
+        "start_time",
+        "resume_from_checkpoint",
+        "epochs_trained",
+        "steps_trained_in_current_epoch",
+    ),
+    _trainer(
+        "_init_training_state",
+        "override",
+        "mixin.py: resuming under an accumulation schedule",
+        "max_steps",
+        "num_update_steps_per_epoch",
+        "num_train_epochs",
+        "resume_from_checkpoint",
+        "trial",
+    ),
     _trainer("_load_rng_state", "call", "mixin.py: RNG state when resuming", "checkpoint"),
-    _trainer("_maybe_log_save_evaluate", "call", "mixin.py: logging, saving, evaluating after a step", "tr_loss",
-             "grad_norm", "model", "trial", "epoch", "ignore_keys_for_eval", "start_time", "learning_rate"),
+    _trainer(
+        "_maybe_log_save_evaluate",
+        "call",
+        "mixin.py: logging, saving, evaluating after a step",
+        "tr_loss",
+        "grad_norm",
+        "model",
+        "trial",
+        "epoch",
+        "ignore_keys_for_eval",
+        "start_time",
+        "learning_rate",
+    ),
     _trainer("_prepare_inputs", "call", "mixin.py, callbacks/batchnorm.py: inputs to the device", "inputs"),
     _trainer("_get_learning_rate", "call", "step.py: the learning rate a step used"),
     _trainer("_remove_unused_columns", "call", "data/loader.py, callbacks/batchnorm.py", "dataset", "description"),
-    _trainer("_get_collator_with_removed_columns", "call", "data/loader.py, callbacks/batchnorm.py",
-             "data_collator", "description"),
+    _trainer(
+        "_get_collator_with_removed_columns",
+        "call",
+        "data/loader.py, callbacks/batchnorm.py",
+        "data_collator",
+        "description",
+    ),
     _trainer("_get_train_sampler", "call", "data/loader.py: the sampler regrouping reorders", "train_dataset"),
-    _trainer("_save_checkpoint", "override", "mixin.py, checkpoints.py: a save bracketed by a completeness marker",
-             "model", "trial"),
+    _trainer(
+        "_save_checkpoint",
+        "override",
+        "mixin.py, checkpoints.py: a save bracketed by a completeness marker",
+        "model",
+        "trial",
+    ),
     _trainer("_get_output_dir", "call", "checkpoints.py: where the checkpoint is written", "trial"),
     _trainer("_tr_loss", "attribute", "mixin.py: the running loss the step adds to"),
     _trainer("_globalstep_last_logged", "attribute", "mixin.py: logging_nan_inf_filter"),
     _trainer("_train_batch_size", "attribute", "data/loader.py: the micro-batch size of the training loader"),
-)  # fmt: skip
+)
 
 # TRL's trainers, by the hf_gradacc.trl class that relies on them.
 TRL_MEMBERS: tuple[PrivateMember, ...] = (
-    PrivateMember(owner="trl.SFTTrainer", name="_is_vision_dataset", kind="attribute",
-                  used_by="trl/sft.py: packing refused for vision data"),
-    PrivateMember(owner="trl.GRPOTrainer", name="_prepare_inputs", kind="override",
-                  used_by="trl/grpo.py: generation while the step's micro-batches are fetched", params=("generation_batch",)),
-    PrivateMember(owner="trl.GRPOTrainer", name="_step", kind="attribute",
-                  used_by="trl/grpo.py: TRL's micro-batch counter, advanced as TRL's training_step would"),
+    PrivateMember(
+        owner="trl.SFTTrainer",
+        name="_is_vision_dataset",
+        kind="attribute",
+        used_by="trl/sft.py: packing refused for vision data",
+    ),
+    PrivateMember(
+        owner="trl.GRPOTrainer",
+        name="_prepare_inputs",
+        kind="override",
+        used_by="trl/grpo.py: generation while the step's micro-batches are fetched",
+        params=("generation_batch",),
+    ),
+    PrivateMember(
+        owner="trl.GRPOTrainer",
+        name="_step",
+        kind="attribute",
+        used_by="trl/grpo.py: TRL's micro-batch counter, advanced as TRL's training_step would",
+    ),
     PrivateMember(owner="trl.GRPOTrainer", name="_metrics", kind="attribute", used_by="trl/grpo.py: step_time metric"),
-    PrivateMember(owner="trl.GRPOTrainer", name="_current_train_step_time", kind="attribute",
-                  used_by="trl/grpo.py: step_time metric"),
-    PrivateMember(owner="trl.GRPOTrainer", name="_entropy_bonus_enabled", kind="attribute",
-                  used_by="trl/grpo.py: the entropy bonus kept as its own term"),
-    PrivateMember(owner="trl.GRPOTrainer", name="_last_world_entropy", kind="attribute",
-                  used_by="trl/grpo.py: the entropy coefficient a step used (adaptive entropy)"),
-    PrivateMember(owner="trl.KTOTrainer", name="_compute_kl_logps", kind="override", params=("model", "batch"),
-                  used_by="trl/kto.py: the step's KL estimate handed to TRL's loss"),
+    PrivateMember(
+        owner="trl.GRPOTrainer",
+        name="_current_train_step_time",
+        kind="attribute",
+        used_by="trl/grpo.py: step_time metric",
+    ),
+    PrivateMember(
+        owner="trl.GRPOTrainer",
+        name="_entropy_bonus_enabled",
+        kind="attribute",
+        used_by="trl/grpo.py: the entropy bonus kept as its own term",
+    ),
+    PrivateMember(
+        owner="trl.GRPOTrainer",
+        name="_last_world_entropy",
+        kind="attribute",
+        used_by="trl/grpo.py: the entropy coefficient a step used (adaptive entropy)",
+    ),
+    PrivateMember(
+        owner="trl.KTOTrainer",
+        name="_compute_kl_logps",
+        kind="override",
+        params=("model", "batch"),
+        used_by="trl/kto.py: the step's KL estimate handed to TRL's loss",
+    ),
     PrivateMember(owner="trl.KTOTrainer", name="calculate_KL", kind="attribute", used_by="trl/kto.py: KL estimate"),
-    *(PrivateMember(owner=f"trl.{t}", name=name, kind=kind, used_by=f"trl/{t[:-7].lower()}.py: generation at fetch",
-                    params=("generation_batch",) if kind == "override" else ())
-      for t in ("RLOOTrainer", "DistillationTrainer")
-      for name, kind in (("_prepare_inputs", "override"), ("_step", "attribute"), ("_current_train_step_time", "attribute"))),
-)  # fmt: skip
+    *(
+        PrivateMember(
+            owner=f"trl.{t}",
+            name=name,
+            kind=kind,
+            used_by=f"trl/{t[:-7].lower()}.py: generation at fetch",
+            params=("generation_batch",) if kind == "override" else (),
+        )
+        for t in ("RLOOTrainer", "DistillationTrainer")
+        for name, kind in (
+            ("_prepare_inputs", "override"),
+            ("_step", "attribute"),
+            ("_current_train_step_time", "attribute"),
+        )
+    ),
+)
 
 # accelerate: the sync flag the Trainer and accelerate's optimizer wrapper read, and what the opt-in CPU patches touch.
 ACCELERATE_MEMBERS: tuple[PrivateMember, ...] = (
-    PrivateMember(owner="accelerate.state.GradientState", name="_set_sync_gradients", kind="call",
-                  used_by="step.py: sync flag per micro-batch", params=("sync_gradients",)),
-    PrivateMember(owner="accelerate.state.PartialState", name="_prepare_backend", kind="override",
-                  used_by="patches/cpu_distributed.py (opt-in)", params=("cpu", "sagemaker_dp", "backend")),
-    PrivateMember(owner="accelerate.state.PartialState", name="_shared_state", kind="attribute",
-                  used_by="patches/cpu_distributed.py, patches/fsdp_cpu.py (opt-in)"),
-    PrivateMember(owner="accelerate.state.AcceleratorState", name="_shared_state", kind="attribute",
-                  used_by="patches/cpu_distributed.py (opt-in)"),
-    PrivateMember(owner="accelerate.state.AcceleratorState", name="_mixed_precision", kind="attribute",
-                  used_by="patches/fsdp_cpu.py (opt-in)"),
-)  # fmt: skip
+    PrivateMember(
+        owner="accelerate.state.GradientState",
+        name="_set_sync_gradients",
+        kind="call",
+        used_by="step.py: sync flag per micro-batch",
+        params=("sync_gradients",),
+    ),
+    PrivateMember(
+        owner="accelerate.state.PartialState",
+        name="_prepare_backend",
+        kind="override",
+        used_by="patches/cpu_distributed.py (opt-in)",
+        params=("cpu", "sagemaker_dp", "backend"),
+    ),
+    PrivateMember(
+        owner="accelerate.state.PartialState",
+        name="_shared_state",
+        kind="attribute",
+        used_by="patches/cpu_distributed.py, patches/fsdp_cpu.py (opt-in)",
+    ),
+    PrivateMember(
+        owner="accelerate.state.AcceleratorState",
+        name="_shared_state",
+        kind="attribute",
+        used_by="patches/cpu_distributed.py (opt-in)",
+    ),
+    PrivateMember(
+        owner="accelerate.state.AcceleratorState",
+        name="_mixed_precision",
+        kind="attribute",
+        used_by="patches/fsdp_cpu.py (opt-in)",
+    ),
+)
 
 # Members only some runs or versions reach: checked where they are used, not at every construction (an older
 # transformers of the supported range lacks the context-parallel entry; the GRPO reference is test code).
 OPTIONAL_MEMBERS: tuple[PrivateMember, ...] = (
-    _trainer("_prepare_context_parallel_inputs", "call",
-             "context_parallel.py: a micro-batch sharded through the Trainer's own entry (cp_size > 1)", "model", "inputs"),
+    _trainer(
+        "_prepare_context_parallel_inputs",
+        "call",
+        "context_parallel.py: a micro-batch sharded through the Trainer's own entry (cp_size > 1)",
+        "model",
+        "inputs",
+    ),
     _trainer("_set_signature_columns_if_needed", "call", "weights.py: the forward's columns, loss_weights kept"),
     _trainer("_signature_columns", "attribute", "weights.py: loss_weights kept through remove_unused_columns"),
-    PrivateMember(owner="trl.GRPOTrainer", name="_generate_and_score_completions", kind="override",
-                  used_by="testing/grpo_reference.py: the test recorder notes each completion's generation step",
-                  params=("inputs",)),
-)  # fmt: skip
+    PrivateMember(
+        owner="trl.GRPOTrainer",
+        name="_generate_and_score_completions",
+        kind="override",
+        used_by="testing/grpo_reference.py: the test recorder notes each completion's generation step",
+        params=("inputs",),
+    ),
+)
 
 ALL_MEMBERS: tuple[PrivateMember, ...] = TRAINER_MEMBERS + TRL_MEMBERS + ACCELERATE_MEMBERS + OPTIONAL_MEMBERS
 

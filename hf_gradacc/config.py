@@ -345,7 +345,9 @@ class GradAccSettings:
         return self.regroup_micro_batches or self.max_tokens_per_micro_batch is not None or self.pack_micro_batches
 
 
-def unknown_knobs_error(unknown: Iterable[str], *, where: str, known: Iterable[str] = GRADACC_FIELDS) -> GradAccConfigError:
+def unknown_knobs_error(
+    unknown: Iterable[str], *, where: str, known: Iterable[str] = GRADACC_FIELDS
+) -> GradAccConfigError:
     """The error for knob names that do not exist: each with its closest known name (difflib), then hf_gradacc's
     knobs. ``known``: the names accepted where they were given (default: the :class:`GradAccArguments` fields).
 
@@ -413,11 +415,20 @@ def resolve_settings(args: TrainingArguments | GradAccArguments, overrides: Any 
         raise GradAccConfigError(f"`head_type` ({settings.head_type!r}) must be 'auto' or one of {HEAD_TYPES}")
     if not isinstance(settings.ignore_index, int) or isinstance(settings.ignore_index, bool):
         raise GradAccConfigError(f"`ignore_index` ({settings.ignore_index!r}) must be an int")
-    for name in ("warn_on_plain_loss", "backward_per_term", "auto_micro_batch", "defer_normalization",
-                 "regroup_micro_batches", "check_loss_at_start", "pack_micro_batches"):
+    for name in (
+        "warn_on_plain_loss",
+        "backward_per_term",
+        "auto_micro_batch",
+        "defer_normalization",
+        "regroup_micro_batches",
+        "check_loss_at_start",
+        "pack_micro_batches",
+    ):
         _check_bool(name, getattr(settings, name))
     for name, choices in (
-        ("zero_reduction", ZERO_REDUCTIONS), ("fsdp_sync", FSDP_SYNCS), ("nonfinite_steps", NONFINITE_STEPS),
+        ("zero_reduction", ZERO_REDUCTIONS),
+        ("fsdp_sync", FSDP_SYNCS),
+        ("nonfinite_steps", NONFINITE_STEPS),
         ("resume_data_mismatch", RESUME_DATA_MISMATCHES),
         ("router_balance", ROUTER_BALANCES),
     ):

@@ -44,6 +44,7 @@ DENOMINATOR_FIELDS: dict[str, str] = {
     "weights": "weight_sum",
 }
 
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MicroBatchCounts:
     """Counted items of one micro-batch on this rank.
@@ -165,8 +166,9 @@ def position_count(batch: Mapping[str, Any]) -> int:
     return int(inputs.shape[0] * inputs.shape[1]) if torch.is_tensor(inputs) and inputs.dim() >= 2 else 0
 
 
-def seen_token_count(main_input: Any, attention_mask: Any, mode: str, pad_token_id: int | None, *,
-                     padded: bool = True) -> int:  # fmt: skip
+def seen_token_count(
+    main_input: Any, attention_mask: Any, mode: str, pad_token_id: int | None, *, padded: bool = True
+) -> int:
     """Input tokens as `TrainingArguments.include_num_input_tokens_seen` counts them: ``"all"`` every position of the
     main input, ``"non_padding"`` the attention mask's ones (else the non-pad ids; else every position, with a
     warning unless the batch is ``padded=False``, packed). 0 without a main input."""
@@ -194,10 +196,16 @@ _FIRST_TOKENS, _FIRST_SAMPLES, _FIRST_INPUT_TOKENS = range(7, 10)  # micro-batch
 _WEIGHTED, _WEIGHT_BITS = 10, 11
 # What a step's batches must carry for a denominator to be counted, and what to do otherwise.
 _NEEDS: dict[str, tuple[str, str]] = {
-    "weights": ("weighted", "the step's batches have no `loss_weights` column to sum; add it to the dataset (and the "
-                "data collator), or use 'tokens' / 'samples'"),
-    "tokens": ("labelled", "the batch has no `labels` to count them; use normalize_by='samples', or have the data "
-               "collator return `labels`"),
+    "weights": (
+        "weighted",
+        "the step's batches have no `loss_weights` column to sum; add it to the dataset (and the "
+        "data collator), or use 'tokens' / 'samples'",
+    ),
+    "tokens": (
+        "labelled",
+        "the batch has no `labels` to count them; use normalize_by='samples', or have the data "
+        "collator return `labels`",
+    ),
 }
 
 
@@ -249,8 +257,11 @@ class WindowCounts:
     def totals(self) -> MicroBatchCounts:
         """The step's counts summed over every micro-batch and rank, as one :class:`MicroBatchCounts`."""
         return MicroBatchCounts(
-            num_tokens=self.global_tokens, num_samples=self.global_samples, num_input_tokens=self.global_input_tokens,
-            num_seen_tokens=self.global_seen_tokens, num_positions=self.global_positions,
+            num_tokens=self.global_tokens,
+            num_samples=self.global_samples,
+            num_input_tokens=self.global_input_tokens,
+            num_seen_tokens=self.global_seen_tokens,
+            num_positions=self.global_positions,
             weight_sum=self.global_weights if self.weighted else None,
         )
 
@@ -291,8 +302,11 @@ def gather_window_counts(
             sum(mb.num_positions for mb in micro_batches),
             len(micro_batches),
             int(error is not None),
-            *((micro_batches[0].num_tokens, micro_batches[0].num_samples, micro_batches[0].num_input_tokens)
-              if micro_batches else (0, 0, 0)),
+            *(
+                (micro_batches[0].num_tokens, micro_batches[0].num_samples, micro_batches[0].num_input_tokens)
+                if micro_batches
+                else (0, 0, 0)
+            ),
             sum(mb.weight_sum is not None for mb in micro_batches),
             _float_bits(sum(mb.weight_sum or 0.0 for mb in micro_batches)),
         ],
@@ -338,7 +352,6 @@ def _float_bits(value: float) -> int:
     return int(torch.tensor([value], dtype=torch.float64).view(torch.int64)[0])
 
 
-
 # ---------------------------------------------------------------------------------------------- this rank's counts
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SeenTokens:
@@ -378,8 +391,11 @@ class Counter:
                 "`head_type` if the model shifts its labels (causal LM)."
             )
         counts = count_micro_batch(
-            batch, head.type or "masked_lm", ignore_index=head.ignore_index,
-            problem_type=head.problem_type_of(batch.get(LABEL_KEY)), allow_unlabelled=head.allow_unlabelled,
+            batch,
+            head.type or "masked_lm",
+            ignore_index=head.ignore_index,
+            problem_type=head.problem_type_of(batch.get(LABEL_KEY)),
+            allow_unlabelled=head.allow_unlabelled,
         )
         return replace(counts, num_input_tokens=input_token_count(batch), num_positions=position_count(batch))
 
@@ -393,7 +409,12 @@ class Counter:
         counts = self.count_batch(view)
         if self.seen.mode != "no":
             packed = PACKED_KEY in view  # a packed row has no padding, and may hold end-of-sequence ids equal to pad
-            seen = seen_token_count(view.get(self.seen.main_input_name), view.get("attention_mask"), self.seen.mode,
-                                    None if packed else self.seen.pad_token_id, padded=not packed)
+            seen = seen_token_count(
+                view.get(self.seen.main_input_name),
+                view.get("attention_mask"),
+                self.seen.mode,
+                None if packed else self.seen.pad_token_id,
+                padded=not packed,
+            )
             counts = replace(counts, num_seen_tokens=seen)
         return replace(counts, num_samples=0) if sharded and cp.rank != 0 else counts

@@ -207,7 +207,10 @@ class Head:
         """A row whose ``attention_mask`` is all zeros but whose labels count: trained and counted on positions the
         model does not attend to (most often a collator bug, e.g. a mask built for another padding side)."""
         mask, labels = batch.get("attention_mask"), batch.get(LABEL_KEY)
-        if not (torch.is_tensor(mask) and mask.dim() == 2 and torch.is_tensor(labels)) or labels.shape[:1] != mask.shape[:1]:
+        if (
+            not (torch.is_tensor(mask) and mask.dim() == 2 and torch.is_tensor(labels))
+            or labels.shape[:1] != mask.shape[:1]
+        ):
             return
         counted = labels.reshape(labels.shape[0], -1) != self.ignore_index if not labels.is_floating_point() else None
         counted = counted.any(1) if counted is not None else torch.ones_like(mask[:, 0], dtype=torch.bool)
@@ -229,7 +232,9 @@ class Head:
         if self.type is None or not torch.is_tensor(labels):
             return
         fix = f"Fix the data collator, or set `head_type` if the model's head is not a {self.type} head."
-        why = labels.dtype == torch.bool and bool_labels_problem(key, self.type, self.problem_type_of(labels), labels.shape)
+        why = labels.dtype == torch.bool and bool_labels_problem(
+            key, self.type, self.problem_type_of(labels), labels.shape
+        )
         if why:  # stock raises torch's dtype error for these; regression trains on 0.0 / 1.0 as stock does
             raise GradAccDataError(why)
         if self.is_sequence_level:

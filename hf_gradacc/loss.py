@@ -88,7 +88,9 @@ class LossTerm:
         nb = self.normalize_by
         if isinstance(nb, str):
             if nb not in DENOMINATORS:
-                raise GradAccLossError(f"`LossTerm.normalize_by` ({nb!r}) must be one of {DENOMINATORS}, an int or a tensor")
+                raise GradAccLossError(
+                    f"`LossTerm.normalize_by` ({nb!r}) must be one of {DENOMINATORS}, an int or a tensor"
+                )
         elif isinstance(nb, bool) or not isinstance(nb, (int, torch.Tensor)):
             raise GradAccTypeError(
                 f"`LossTerm.normalize_by` must be 'tokens', 'samples', an int or a tensor, got {nb!r}"
@@ -283,8 +285,8 @@ class LossOutput:
         """The terms as ONE batch's mean loss (evaluation): each sum over its own count in this batch (``counts``
         has ``get("tokens" | "samples")``), added up."""
         parts = [
-            term.total / ((counts.get(term.normalize_by) if isinstance(term.normalize_by, str)
-                           else int(term.normalize_by)) or 1)
+            term.total
+            / ((counts.get(term.normalize_by) if isinstance(term.normalize_by, str) else int(term.normalize_by)) or 1)
             for term in self.terms.values()
         ]
         return sum(parts[1:], parts[0])

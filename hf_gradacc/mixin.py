@@ -103,7 +103,9 @@ class GradAccMixin:
     head: Head
     backend: Backend
 
-    def __init__(self, *args: Any, gradacc_args: GradAccArguments | dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, gradacc_args: GradAccArguments | dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         """The trainer class's own parameters (``*args``, ``**kwargs``: `Trainer`'s, TRL's, your subclass's), plus
         ``gradacc_args``: the :class:`~hf_gradacc.GradAccArguments` (or a dict of them) when ``args`` is not a
         GradAcc config. :class:`~hf_gradacc.GradAccTrainer` spells out `Trainer`'s parameters."""
@@ -137,8 +139,12 @@ class GradAccMixin:
             # take them: the built-in loss is computed from them.
             self.label_names = [*self.label_names, LABEL_KEY]
         self._keep_weights_column()
-        multi_backward = (settings.backward_per_term or source.custom_training_step or settings.auto_micro_batch
-                          or settings.defer_normalization)
+        multi_backward = (
+            settings.backward_per_term
+            or source.custom_training_step
+            or settings.auto_micro_batch
+            or settings.defer_normalization
+        )
         self.backend = backend = resolve_backend(
             self.accelerator, self.args, settings, multi_backward=multi_backward, model=self.model
         )
@@ -146,18 +152,34 @@ class GradAccMixin:
         if settings.pack_micro_batches:
             check_packing_support(self.model)  # no silent cross-sample attention
         cp, gather_function = context_parallel_for(  # cp_size > 1: a shard per rank, or refused by name
-            accelerator=self.accelerator, settings=settings, head=head, model=self.model, source=source,
-            trainer_class=type(self), sequence_parallel_size=int(getattr(backend, "sequence_parallel_size", 1) or 1),
+            accelerator=self.accelerator,
+            settings=settings,
+            head=head,
+            model=self.model,
+            source=source,
+            trainer_class=type(self),
+            sequence_parallel_size=int(getattr(backend, "sequence_parallel_size", 1) or 1),
         )
         if gather_function is not None:  # evaluation gathers one copy of each batch (the cp group's rank 0)
             self.gather_function = gather_function
         fused = FusedPolicy.at_construction(  # ignored (own loss), on, off, refused, or automatic: once, logged
-            settings=settings, head=head, backend=backend, model=self.model, source=source, args=self.args,
-            trainer_name=name, cp_size=cp.size, accelerator=self.accelerator,
+            settings=settings,
+            head=head,
+            backend=backend,
+            model=self.model,
+            source=source,
+            args=self.args,
+            trainer_name=name,
+            cp_size=cp.size,
+            accelerator=self.accelerator,
         )
         router = check_router_balance(  # router_balance="global_batch": refused by name, or the pre-pass's shape
-            settings=settings, head=head, model=self.model, backend=backend,
-            custom_loss=source.custom_compute_loss, trainer_name=name,
+            settings=settings,
+            head=head,
+            model=self.model,
+            backend=backend,
+            custom_loss=source.custom_compute_loss,
+            trainer_name=name,
         )
         apply_ddp_timeout(self.args)  # gloo groups made with use_cpu=True miss it (transformers 5.23)
         if settings.defer_normalization and source.custom_training_step:
@@ -170,8 +192,15 @@ class GradAccMixin:
             pad_token_id=getattr(self.processing_class, "pad_token_id", None),
         )
         self.step_engine = StepEngine(
-            self, settings=settings, head=head, counter=Counter(head, cp=cp, seen=seen), backend=backend,
-            fused=fused, source=source, cp=cp, router=router,
+            self,
+            settings=settings,
+            head=head,
+            counter=Counter(head, cp=cp, seen=seen),
+            backend=backend,
+            fused=fused,
+            source=source,
+            cp=cp,
+            router=router,
         )
         self.grads: GradAccess = self.step_engine.grads
         batchnorm = batchnorm_callback_for(self.model, settings, self.callback_handler.callbacks)
@@ -317,7 +346,10 @@ class GradAccMixin:
         schedule or world size resumes at the recorded position, re-batched in this run's layout."""
         plan = self.step_engine.plan
         resume_from_checkpoint, plan.resume_point = resolve_resume(
-            resume_from_checkpoint, args=self.args, layout=self._data_layout, mismatch=self.gradacc.resume_data_mismatch,
+            resume_from_checkpoint,
+            args=self.args,
+            layout=self._data_layout,
+            mismatch=self.gradacc.resume_data_mismatch,
             blocker=prefix_blocker(self.args, self.train_dataset),
         )
         plan.resume_at = plan.data_position = None  # set once the run's layout is known / after each step
@@ -337,15 +369,19 @@ class GradAccMixin:
         peak)."""
         self.step_engine.release_buffers()
         with checkpoint_save(
-            run_dir=self._get_output_dir(trial=trial), args=self.args, state=self.state,
-            wait_for_everyone=self.accelerator.wait_for_everyone, record=self._checkpoint_record,
+            run_dir=self._get_output_dir(trial=trial),
+            args=self.args,
+            state=self.state,
+            wait_for_everyone=self.accelerator.wait_for_everyone,
+            record=self._checkpoint_record,
         ):
             super()._save_checkpoint(model, trial)
 
     def _data_layout(self) -> dict[str, Any]:
         """What decides which samples each optimizer step takes (:func:`~hf_gradacc.checkpoints.data_layout`)."""
-        return data_layout(self.args, self.gradacc, self.train_dataset,
-                           data_parallel_size=self.backend.mesh.data_parallel_size)
+        return data_layout(
+            self.args, self.gradacc, self.train_dataset, data_parallel_size=self.backend.mesh.data_parallel_size
+        )
 
     def _checkpoint_record(self) -> dict[str, Any]:
         """A checkpoint's data record: the layout, and where the data stands after the last optimizer step."""
@@ -415,7 +451,9 @@ class GradAccMixin:
         step, steps_in_epoch, rng_to_sync = epoch_plan.step, epoch_plan.steps_in_epoch, epoch_plan.resumed_mid_epoch
         iterator = epoch_plan.epoch_iterator
         grad_norm = learning_rate = None
-        any_rank_had_data = epoch_plan.step >= 0  # agreed: from the counts every rank gathered, never this rank's alone
+        any_rank_had_data = (
+            epoch_plan.step >= 0
+        )  # agreed: from the counts every rank gathered, never this rank's alone
         for num_batches in epoch_plan.num_batches:
             window = None
             try:
@@ -458,7 +496,13 @@ class GradAccMixin:
                 self.state.epoch = epoch + trained / num_samples
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self._maybe_log_save_evaluate(
-                self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+                self._tr_loss,
+                grad_norm,
+                model,
+                trial,
+                epoch,
+                ignore_keys_for_eval,
+                start_time,
                 learning_rate=learning_rate,
             )
             if self.control.should_epoch_stop or self.control.should_training_stop:
@@ -476,7 +520,13 @@ class GradAccMixin:
             self._tr_loss.copy_(self.backend.all_gather(self._tr_loss.detach()).mean(dim=0))
         self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
         self._maybe_log_save_evaluate(
-            self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+            self._tr_loss,
+            grad_norm,
+            model,
+            trial,
+            epoch,
+            ignore_keys_for_eval,
+            start_time,
             learning_rate=learning_rate,
         )
 
@@ -537,7 +587,7 @@ class GradAccMixin:
                 f"`compute_loss_func` ({getattr(self.compute_loss_func, '__name__', self.compute_loss_func)!r}) "
                 f"returned something hf_gradacc cannot normalise: {error}. Return the micro-batch's MEAN as a scalar "
                 "tensor (divide the sum by `num_items_in_batch`, which hf_gradacc sets to this micro-batch's count), "
-                "or hf_gradacc.LossTerm(total=<sum>, normalize_by=\"tokens\" | \"samples\")."
+                'or hf_gradacc.LossTerm(total=<sum>, normalize_by="tokens" | "samples").'
             ) from error
         return (loss, outputs) if return_outputs else loss
 
@@ -559,10 +609,17 @@ class GradAccMixin:
         """The training data as hf_gradacc's data planners and callbacks take it (:class:`~hf_gradacc.data.loader.TrainData`):
         the dataset, the collator, and the Trainer's own column handling, sampler, batch size and input preparation."""
         return TrainData(
-            dataset=self.train_dataset, collator=self.data_collator, args=self.args, accelerator=self.accelerator,
-            model=self.model, processing_class=self.processing_class, batch_size=self._train_batch_size,
-            remove_columns=self._remove_unused_columns, wrap_collator=self._get_collator_with_removed_columns,
-            train_sampler=self._get_train_sampler, prepare=self._prepare_inputs,
+            dataset=self.train_dataset,
+            collator=self.data_collator,
+            args=self.args,
+            accelerator=self.accelerator,
+            model=self.model,
+            processing_class=self.processing_class,
+            batch_size=self._train_batch_size,
+            remove_columns=self._remove_unused_columns,
+            wrap_collator=self._get_collator_with_removed_columns,
+            train_sampler=self._get_train_sampler,
+            prepare=self._prepare_inputs,
         )
 
     def get_train_dataloader(self):
@@ -581,12 +638,18 @@ class GradAccMixin:
         values = super().set_initial_training_values(args, dataloader)
         dataset = self.train_dataset
         return self.step_engine.plan.training_values(
-            args, dataloader, values, settings=self.gradacc, backend=self.backend,
+            args,
+            dataloader,
+            values,
+            settings=self.gradacc,
+            backend=self.backend,
             samples_per_micro_batch=self._train_batch_size * self.backend.mesh.data_parallel_size,
             num_train_samples=len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None,
         )
 
-    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial):
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):
         """`Trainer._init_training_state`; a resumed run starts from every weight its checkpoint holds
         (:func:`~hf_gradacc.checkpoints.restore_weights`), and finds its epoch and what it already trained in it from the
         schedule (windows differ in size) or the checkpoint's record
@@ -595,11 +658,17 @@ class GradAccMixin:
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
         if resume_from_checkpoint is not None:  # after the Trainer's own load, before the first step
-            restore_weights(self.model, resume_from_checkpoint,
-                            managed_elsewhere=self.is_fsdp_enabled or self.is_deepspeed_enabled)
+            restore_weights(
+                self.model, resume_from_checkpoint, managed_elsewhere=self.is_fsdp_enabled or self.is_deepspeed_enabled
+            )
         return self.step_engine.plan.resumed_start(
-            self.args, self.state.global_step, epochs_trained, steps_trained, max_steps=max_steps,
-            num_train_epochs=num_train_epochs, resume_from_checkpoint=resume_from_checkpoint,
+            self.args,
+            self.state.global_step,
+            epochs_trained,
+            steps_trained,
+            max_steps=max_steps,
+            num_train_epochs=num_train_epochs,
+            resume_from_checkpoint=resume_from_checkpoint,
             schedule=self.gradacc.accumulation_schedule,
         )
 
@@ -630,7 +699,10 @@ class GradAccMixin:
             if parsed.plain is not None:
                 return out
             loss = cp.custom_batch_mean(  # cp: this rank's chunks, summed over the cp ranks
-                parsed, whole, counter=engine.counter, denominator=self.primary_denominator,
+                parsed,
+                whole,
+                counter=engine.counter,
+                denominator=self.primary_denominator,
                 all_gather=self.backend.all_gather,
             )
             return (loss, *out[1:]) if isinstance(out, tuple) else loss
@@ -661,4 +733,3 @@ class GradAccMixin:
         upstream_end = getattr(super(), "end", None)  # no `Trainer.end` in transformers 5.6 / 5.16
         if upstream_end is not None:
             upstream_end()  # trackers; the group is already gone
-

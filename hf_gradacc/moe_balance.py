@@ -89,7 +89,9 @@ def routing_counts(router_logits: Sequence[torch.Tensor], attention_mask: Any, s
             probs = torch.softmax(gate, dim=-1)
             _, chosen = torch.topk(probs, shape.top_k, dim=-1)
             mask = _flat_mask(attention_mask, gate.shape[0])
-            weight = torch.ones_like(chosen) if mask is None else mask.to(chosen.device).long()[:, None].expand_as(chosen)
+            weight = (
+                torch.ones_like(chosen) if mask is None else mask.to(chosen.device).long()[:, None].expand_as(chosen)
+            )
             counts = torch.zeros(shape.num_experts, dtype=torch.int64, device=gate.device)
             counts.scatter_add_(0, chosen.reshape(-1), weight.reshape(-1).long())
             routed = counts.new_tensor([gate.shape[0] if mask is None else int(mask.sum())])
@@ -188,7 +190,9 @@ def _check_model_formula(counts: torch.Tensor, probs: torch.Tensor, model_aux: A
     rows = float(counts[:, -1].sum())
     if rows == 0:
         return
-    rebuilt = shape.num_experts * float((counts[:, :-1].sum(0).double() / rows * probs.detach().double().cpu() / rows).sum())
+    rebuilt = shape.num_experts * float(
+        (counts[:, :-1].sum(0).double() / rows * probs.detach().double().cpu() / rows).sum()
+    )
     own = float(model_aux.detach().double())
     if abs(rebuilt - own) > FORMULA_TOLERANCE * max(abs(own), 1e-12):
         raise GradAccConfigError(
@@ -206,7 +210,11 @@ def stochastic_routing(model: nn.Module) -> list[str]:
     config = getattr(base, "config", None)
     for owner in (config, getattr(config, "text_config", None)):
         for name, value in (vars(owner) if owner is not None else {}).items():
-            if ("dropout" in name or "jitter" in name) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if (
+                ("dropout" in name or "jitter" in name)
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+            ):
                 if value > 0:
                     found.append(f"config.{name}={value}")
     for name, module in base.named_modules():
@@ -242,16 +250,22 @@ def check_router_balance(
         )
     random = stochastic_routing(base)
     if random:
-        refusals.append(f"training routes at random ({', '.join(random)}; the pre-pass would route otherwise): set them to 0")
+        refusals.append(
+            f"training routes at random ({', '.join(random)}; the pre-pass would route otherwise): set them to 0"
+        )
     if custom_loss:
-        refusals.append(f"{trainer_name} computes its own loss (an overridden `compute_loss` or "
-                        "`compute_loss_func`: TRL trainers, custom losses)")
+        refusals.append(
+            f"{trainer_name} computes its own loss (an overridden `compute_loss` or "
+            "`compute_loss_func`: TRL trainers, custom losses)"
+        )
     for knob in ("defer_normalization", "auto_micro_batch"):
         if getattr(settings, knob):
             refusals.append(f"`{knob}` is set")
     if backend.model_parallelism is not None:
-        refusals.append(f"{backend.model_parallelism} on the {backend.describe()} backend (ranks holding copies or "
-                        "shards of the same tokens)")
+        refusals.append(
+            f"{backend.model_parallelism} on the {backend.describe()} backend (ranks holding copies or "
+            "shards of the same tokens)"
+        )
     if refusals:
         raise GradAccConfigError(
             "`router_balance='global_batch'` is not supported here: " + "; ".join(refusals) + ". Set "

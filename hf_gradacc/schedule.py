@@ -224,9 +224,12 @@ def scheduled_training_values(
     if batches_per_epoch is None:
         total = schedule.micro_batches_before(max_steps)
         return ScheduledRun(
-            num_train_epochs=sys.maxsize, num_update_steps_per_epoch=max_steps,
-            num_train_samples=total * samples_per_micro_batch, steps_in_epoch=total, max_steps=max_steps,
-        )  # fmt: skip
+            num_train_epochs=sys.maxsize,
+            num_update_steps_per_epoch=max_steps,
+            num_train_samples=total * samples_per_micro_batch,
+            steps_in_epoch=total,
+            max_steps=max_steps,
+        )
     steps, epochs = schedule.plan(
         batches_per_epoch, num_train_epochs=num_train_epochs, max_steps=max_steps if max_steps > 0 else None
     )

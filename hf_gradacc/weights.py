@@ -35,8 +35,14 @@ def _head_name(head_type: str, problem_type: str | None = None) -> str:
     return head_type.replace("_", " ")
 
 
-def check_weights(weights: Any, labels: torch.Tensor, *, sample_level: bool, counted: torch.Tensor | None = None,
-                  head: str | None = None) -> torch.Tensor:  # fmt: skip
+def check_weights(
+    weights: Any,
+    labels: torch.Tensor,
+    *,
+    sample_level: bool,
+    counted: torch.Tensor | None = None,
+    head: str | None = None,
+) -> torch.Tensor:
     """``weights`` as a float tensor of shape ``labels.shape`` (per token) or ``[batch]`` (per sample), or a
     :class:`~hf_gradacc.GradAccDataError` naming ``loss_weights``: wrong shape (per-token weights for a ``head`` with
     one target per sample included), bool, or, where ``counted`` (a mask of the weights' shape; everywhere without
@@ -52,7 +58,9 @@ def check_weights(weights: Any, labels: torch.Tensor, *, sample_level: bool, cou
     return weights
 
 
-def _shaped_weights(weights: Any, labels: torch.Tensor, *, sample_level: bool, head: str | None = None) -> torch.Tensor:
+def _shaped_weights(
+    weights: Any, labels: torch.Tensor, *, sample_level: bool, head: str | None = None
+) -> torch.Tensor:
     """``weights`` as a float tensor of shape ``labels.shape`` or ``[batch]``; its values are not looked at."""
     if not torch.is_tensor(weights):
         raise GradAccDataError(
@@ -128,7 +136,10 @@ def target_weights(
     else:
         weights = _shaped_weights(weights, labels, sample_level=sample_level, head=head)
         if head_type == "causal_lm" and weights.dim() > 1:
-            weights, offset = F.pad(weights[..., 1:], (0, 1)), 1  # the target of position i is labels[i + 1]: so is its weight
+            weights, offset = (
+                F.pad(weights[..., 1:], (0, 1)),
+                1,
+            )  # the target of position i is labels[i + 1]: so is its weight
     # which targets the loss sums, and which count: the one rule (hf_gradacc.loss.counted_targets)
     targets, counted = counted_targets(
         labels, head_type, ignore_index=ignore_index, shift_labels=shift_labels, problem_type=problem_type
@@ -142,8 +153,9 @@ def target_weights(
     return torch.where(counted, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
 
 
-def target_weight_sum(batch: Mapping[str, Any], head_type: str, *, ignore_index: int = IGNORE_INDEX,
-                      problem_type: str | None = None) -> float | None:  # fmt: skip
+def target_weight_sum(
+    batch: Mapping[str, Any], head_type: str, *, ignore_index: int = IGNORE_INDEX, problem_type: str | None = None
+) -> float | None:
     """The sum (in float64) of the weights of the micro-batch's counted targets; None when it has no
     ``loss_weights`` (an unweighted micro-batch)."""
     weights = batch.get(LOSS_WEIGHTS_KEY)
@@ -153,8 +165,14 @@ def target_weight_sum(batch: Mapping[str, Any], head_type: str, *, ignore_index:
     shift_labels = batch.get("shift_labels")
     if not torch.is_tensor(labels) and not torch.is_tensor(shift_labels):
         raise GradAccDataError(f"The batch has `{LOSS_WEIGHTS_KEY}` but no `labels`: weights weigh counted labels.")
-    per_target = target_weights(weights, labels if torch.is_tensor(labels) else shift_labels, head_type=head_type,
-                                ignore_index=ignore_index, shift_labels=shift_labels, problem_type=problem_type)  # fmt: skip
+    per_target = target_weights(
+        weights,
+        labels if torch.is_tensor(labels) else shift_labels,
+        head_type=head_type,
+        ignore_index=ignore_index,
+        shift_labels=shift_labels,
+        problem_type=problem_type,
+    )
     return float(per_target.double().sum())
 
 
@@ -179,8 +197,14 @@ def weighted_loss_sum(
         ```
     """
     base = labels if labels is not None else shift_labels
-    w = target_weights(weights, base, head_type=head_type, ignore_index=ignore_index, shift_labels=shift_labels,
-                       problem_type=problem_type).to(logits.device)  # fmt: skip
+    w = target_weights(
+        weights,
+        base,
+        head_type=head_type,
+        ignore_index=ignore_index,
+        shift_labels=shift_labels,
+        problem_type=problem_type,
+    ).to(logits.device)
     logits = logits.float()
     if head_type in SAMPLE_LEVEL_HEADS:
         rows = w.shape[0]
@@ -190,14 +214,22 @@ def weighted_loss_sum(
         elif problem_type == "multi_label_classification":
             per_row = F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none").mean(-1)
         else:
-            per_row = F.cross_entropy(logits.reshape(rows, -1), labels.reshape(-1).long(), ignore_index=ignore_index,
-                                      reduction="none", label_smoothing=label_smoothing)  # fmt: skip
+            per_row = F.cross_entropy(
+                logits.reshape(rows, -1),
+                labels.reshape(-1).long(),
+                ignore_index=ignore_index,
+                reduction="none",
+                label_smoothing=label_smoothing,
+            )
         return (per_row * w.to(per_row.dtype)).sum()
     targets, _ = counted_targets(base, head_type, ignore_index=ignore_index, shift_labels=shift_labels)
     per_target = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long().to(logits.device), ignore_index=ignore_index,
-        reduction="none", label_smoothing=label_smoothing,
-    )  # fmt: skip
+        logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1).long().to(logits.device),
+        ignore_index=ignore_index,
+        reduction="none",
+        label_smoothing=label_smoothing,
+    )
     return (per_target * w.reshape(-1).to(per_target.dtype)).sum()
 
 

@@ -18,7 +18,12 @@ if TYPE_CHECKING:
     from ..config import GradAccSettings
 
 __all__ = [
-    "Backend", "DDPBackend", "Mesh", "SUPPORTED_BACKENDS", "check_launched_world", "mesh_from_accelerator",
+    "Backend",
+    "DDPBackend",
+    "Mesh",
+    "SUPPORTED_BACKENDS",
+    "check_launched_world",
+    "mesh_from_accelerator",
     "resolve_backend",
 ]
 
@@ -43,9 +48,13 @@ def check_requested_backend(dist_type: Any) -> None:
     shard nothing. ``HF_GRADACC_CPU_DISTRIBUTED=1`` (:mod:`hf_gradacc.patches`) makes such configs run on CPU ranks.
     """
     for variable, wanted in _REQUESTED.items():
-        if os.environ.get(variable, "").strip().lower() in ("1", "true", "yes") and str(dist_type).split(".")[-1] != wanted:
+        if (
+            os.environ.get(variable, "").strip().lower() in ("1", "true", "yes")
+            and str(dist_type).split(".")[-1] != wanted
+        ):
             got = str(dist_type).split(".")[-1]
             from ..patches import CPU_DISTRIBUTED_ENV
+
             if os.environ.get(CPU_DISTRIBUTED_ENV, "").strip().lower() in ("1", "true", "yes"):
                 hint = (
                     f"{CPU_DISTRIBUTED_ENV} is set, so the CPU patch is on: an FSDP config on CPU ranks also needs "
@@ -97,8 +106,11 @@ def resolve_backend(
         DistributedType.NO,
         DistributedType.MULTI_CPU,
         DistributedType.MULTI_GPU,
-        *(getattr(DistributedType, n) for n in ("MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU", "MULTI_SDAA",
-                                                  "MULTI_MUSA") if hasattr(DistributedType, n)),
+        *(
+            getattr(DistributedType, n)
+            for n in ("MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU", "MULTI_SDAA", "MULTI_MUSA")
+            if hasattr(DistributedType, n)
+        ),
     }
     check_requested_backend(dist_type)
     _check_joined_world()
@@ -129,4 +141,3 @@ def resolve_backend(
         f"GradAccTrainer cannot make accumulation exact under distributed type {dist_type!s}. "
         f"Supported: {', '.join(SUPPORTED_BACKENDS)}. Change the accelerate config (`distributed_type`)."
     )
-

@@ -81,7 +81,9 @@ class Backend:
         """Raise a clear error, when the trainer is created, for a model this backend cannot prepare."""
         from .sharded_model import check_model_sharding
 
-        check_model_sharding(model, getattr(self, "args", None))  # refuses pipeline parallelism; warns of unresumable saves
+        check_model_sharding(
+            model, getattr(self, "args", None)
+        )  # refuses pipeline parallelism; warns of unresumable saves
 
     def kind(self) -> str:
         """Short name of the distributed setup, e.g. ``MULTI_CPU``, ``DeepSpeed ZeRO-2``, ``FSDP2``."""

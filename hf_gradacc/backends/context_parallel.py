@@ -117,7 +117,6 @@ def context_parallel_shard(
     return out
 
 
-
 def cp_size_of(accelerator: Any) -> int:
     """``parallelism_config.cp_size`` of ``accelerator`` (1 without a parallelism config)."""
     return int(getattr(getattr(accelerator, "parallelism_config", None), "cp_size", None) or 1)
@@ -157,7 +156,9 @@ class ContextParallel:
         if size < 1 or not 0 <= rank < size:
             raise GradAccConfigError(f"context-parallel rank {rank} of `cp_size` {size}: expected 0 <= rank < size")
         if sp_size < 1 or not 0 <= sp_rank < sp_size:
-            raise GradAccConfigError(f"sequence-parallel rank {sp_rank} of `sp_size` {sp_size}: expected 0 <= rank < size")
+            raise GradAccConfigError(
+                f"sequence-parallel rank {sp_rank} of `sp_size` {sp_size}: expected 0 <= rank < size"
+            )
         self.size, self.rank, self.ignore_index = size, rank, ignore_index
         self.sp_size, self.sp_rank = sp_size, sp_rank
         self.group_ranks = tuple(range(size)) if group_ranks is None else tuple(group_ranks)
@@ -262,8 +263,12 @@ class ContextParallel:
             return batch_mean_loss(terms, counts, denominator)
         names = list(terms)
         device = terms[names[0]].total.device
-        local = torch.stack([*(terms[n].total.detach().reshape(()).to(torch.float64) for n in names),
-                             torch.tensor(float(counts.num_tokens), dtype=torch.float64, device=device)])  # fmt: skip
+        local = torch.stack(
+            [
+                *(terms[n].total.detach().reshape(()).to(torch.float64) for n in names),
+                torch.tensor(float(counts.num_tokens), dtype=torch.float64, device=device),
+            ]
+        )
         rows = all_gather(local).reshape(-1, local.numel())
         summed = rows[list(self.group_ranks)].sum(0).to(device)
         whole = {n: replace(terms[n], total=summed[i].to(terms[n].total.dtype)) for i, n in enumerate(names)}
@@ -330,11 +335,14 @@ def check_micro_batch(batch: Mapping[str, Any]) -> None:
         raise GradAccDataError(
             "The micro-batch's `attention_mask` has padding before a real token (left padding, or holes): torch's "
             "`context_parallel` drops the mask for plain causal attention, so real tokens would attend to that "
-            "padding. Pad on the right (`tokenizer.padding_side = \"right\"`)."
+            'padding. Pad on the right (`tokenizer.padding_side = "right"`).'
         )
     width = ids.shape[1]
-    others = sorted(k for k, v in batch.items()
-                    if k not in SHARDED_KEYS and torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == width)  # fmt: skip
+    others = sorted(
+        k
+        for k, v in batch.items()
+        if k not in SHARDED_KEYS and torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == width
+    )
     if others:
         raise GradAccDataError(
             f"The micro-batch holds per-position tensors {others} that the Trainer's context-parallel entry does not "
@@ -367,13 +375,17 @@ def check_sequence_parallel_shard(batch: Mapping[str, Any], *, sp_size: int, sp_
             f"Under DeepSpeed Ulysses sequence parallelism (`parallelism_config.sp_size` {sp_size}) the micro-batch's "
             f"`attention_mask` has padding before a real token in row(s) {rows[:8]} of this rank's slice (sequence "
             f"rank {sp_rank}): left padding, or holes. Ulysses attention drops the mask and attends causally, so real "
-            "tokens would attend to that padding. Pad on the right (`tokenizer.padding_side = \"right\"`, "
+            'tokens would attend to that padding. Pad on the right (`tokenizer.padding_side = "right"`, '
             "`position_ids` 0 .. width - 1), or set `parallelism_config_sp_size: 1`."
         )
 
 
 def _restarts(position_ids: torch.Tensor) -> bool:
-    return position_ids.dim() == 2 and position_ids.shape[1] > 1 and bool((position_ids[:, 1:] <= position_ids[:, :-1]).any())
+    return (
+        position_ids.dim() == 2
+        and position_ids.shape[1] > 1
+        and bool((position_ids[:, 1:] <= position_ids[:, :-1]).any())
+    )
 
 
 def context_parallel_for(
@@ -444,7 +456,7 @@ def context_parallel_for(
     elif getattr(config, "_attn_implementation", "sdpa") != "sdpa":
         why = (
             f"attention is {config._attn_implementation!r}: torch's context parallelism shards SDPA only; load the "
-            "model with `attn_implementation=\"sdpa\"`"
+            'model with `attn_implementation="sdpa"`'
         )
     elif settings.fused_lm_head:
         why = (

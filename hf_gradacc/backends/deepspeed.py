@@ -576,7 +576,10 @@ class DeepSpeedBackend(Backend):
         if self.zero_stage == 3:
             optimizer.averaged_gradients = {}
         else:
-            for buffers in (getattr(optimizer, "averaged_gradients", None), getattr(optimizer, "all_grad_tensors", None)):
+            for buffers in (
+                getattr(optimizer, "averaged_gradients", None),
+                getattr(optimizer, "all_grad_tensors", None),
+            ):
                 if isinstance(buffers, dict):
                     for key in list(buffers):
                         buffers[key] = None

@@ -71,9 +71,10 @@ def save_failure(step: int, folder: str, previous: str | None, args: Any) -> Gra
     """The error that replaces a collective failed while checkpoint ``folder`` was saved at optimizer ``step``: which
     rank, that the folder is left incomplete, and which checkpoint the next resume takes (``previous``, or None)."""
     then = (
-        f"the previous complete one, {previous}" if previous is not None
+        f"the previous complete one, {previous}"
+        if previous is not None
         else "none: this rank's disk holds no complete older checkpoint, so start without `resume_from_checkpoint`"
-    )  # fmt: skip
+    )
     return GradAccDistributedError(
         f"Saving the checkpoint of optimizer step {step} on rank {args.process_index}: a collective got no answer "
         f"within `ddp_timeout` ({args.ddp_timeout} s) or lost its peer; another rank froze, died or failed while saving "

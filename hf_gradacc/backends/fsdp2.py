@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 logger = logging.get_logger(__name__)
 
+
 def fsdp_root(model: torch.nn.Module) -> torch.nn.Module:
     """The outermost module ``fully_shard`` was applied to (``model`` itself once accelerate prepared it).
 

@@ -23,7 +23,15 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
-__all__ = ["COPY_DIMS", "COUNTED_DIMS", "MESH_DIMS", "LaunchedWorld", "Mesh", "check_launched_world", "mesh_from_accelerator"]
+__all__ = [
+    "COPY_DIMS",
+    "COUNTED_DIMS",
+    "MESH_DIMS",
+    "LaunchedWorld",
+    "Mesh",
+    "check_launched_world",
+    "mesh_from_accelerator",
+]
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:
@@ -74,7 +82,10 @@ class LaunchedWorld:
             nodes = _int(env, "CROSS_SIZE") or 1
             local = _int(env, "LOCAL_SIZE") or world // nodes
             return cls(
-                launcher="deepspeed", world_size=world, num_nodes=nodes, num_processes_per_node=local,
+                launcher="deepspeed",
+                world_size=world,
+                num_nodes=nodes,
+                num_processes_per_node=local,
                 from_accelerate_multinode_deepspeed="ACCELERATE_CONFIG_DS_FIELDS" in env,
             )
         local = _int(env, "LOCAL_WORLD_SIZE") or world
@@ -268,8 +279,11 @@ class Mesh:
         ``"DDP 4, 2 nodes x 2"``; ``"single process"`` for one rank."""
         if self.world_size == 1:
             return "single process"
-        parts = [f"{name} {size}" for name, size in
-                 (("PP", self.pp), ("TP", self.tp), ("EP", self.ep), ("CP", self.cp), ("SP", self.sp)) if size > 1]
+        parts = [
+            f"{name} {size}"
+            for name, size in (("PP", self.pp), ("TP", self.tp), ("EP", self.ep), ("CP", self.cp), ("SP", self.sp))
+            if size > 1
+        ]
         data = self._data_part()
         if data:
             parts.append(data)
@@ -335,8 +349,13 @@ def mesh_from_accelerator(
         sources.append("parallelism_config")
     dc = getattr(getattr(model, "config", None), "distributed_config", None) if model is not None else None
     if dc is not None:
-        for name, attr in (("tp", "tp_size"), ("ep", "ep_size"), ("pp", "pp_size"),
-                           ("dp_shard", "fsdp_size"), ("dp_replicate", "dp_replicate_size")):
+        for name, attr in (
+            ("tp", "tp_size"),
+            ("ep", "ep_size"),
+            ("pp", "pp_size"),
+            ("dp_shard", "fsdp_size"),
+            ("dp_replicate", "dp_replicate_size"),
+        ):
             value = getattr(dc, attr, None)
             if value:
                 sizes[name] = int(value)
@@ -362,5 +381,11 @@ def mesh_from_accelerator(
             sizes["dp_shard"] = max(1, rest // sizes["dp_replicate"])
         else:
             sizes["dp_replicate"], sizes["dp_shard"] = rest, 1
-    return Mesh(backend=backend, world_size=world, num_nodes=nodes, num_processes_per_node=per_node,
-                sizes_from=tuple(sources), **sizes)
+    return Mesh(
+        backend=backend,
+        world_size=world,
+        num_nodes=nodes,
+        num_processes_per_node=per_node,
+        sizes_from=tuple(sources),
+        **sizes,
+    )

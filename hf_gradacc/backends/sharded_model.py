@@ -80,7 +80,9 @@ def check_expert_parallel(config: Any) -> None:
             "reduce-scatter divided locally, which transformers sets up for gloo): not measured"
         )
     elif tp > 1 and fsdp > 1:
-        why = f"an expert group that spans both the data ranks (`fsdp_size` {fsdp}) and the tensor ranks is not measured"
+        why = (
+            f"an expert group that spans both the data ranks (`fsdp_size` {fsdp}) and the tensor ranks is not measured"
+        )
     else:
         return
     raise UnsupportedBackendError(
@@ -145,7 +147,10 @@ def warn_unresumable_checkpoints(config: Any, args: Any) -> None:
     strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
     if strategy == "no":
         return
-    sizes = {name: int(getattr(config, name, None) or 1) for name in ("tp_size", "ep_size", "fsdp_size", "dp_replicate_size")}
+    sizes = {
+        name: int(getattr(config, name, None) or 1)
+        for name in ("tp_size", "ep_size", "fsdp_size", "dp_replicate_size")
+    }
     layout = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1) or "..."
     logger.warning(
         f"`save_strategy={strategy!r}` saves checkpoints that cannot be resumed: the model was sharded at load time "
@@ -197,8 +202,10 @@ def check_context_parallel(parallelism_config: Any, *, distributed_type: Any = N
     tp_size = int(getattr(parallelism_config, "tp_size", None) or 1)
     why = None
     if not str(distributed_type).endswith("FSDP"):
-        why = (f"context parallelism runs under FSDP2 only (accelerate shards the model over `dp_shard_cp`), not "
-               f"{distributed_type}; use an FSDP config with `fsdp_version: 2` (examples/accelerate_configs/cp_fsdp2.yaml)")  # fmt: skip
+        why = (
+            f"context parallelism runs under FSDP2 only (accelerate shards the model over `dp_shard_cp`), not "
+            f"{distributed_type}; use an FSDP config with `fsdp_version: 2` (examples/accelerate_configs/cp_fsdp2.yaml)"
+        )
     elif tp_size > 1:
         why = f"with `tp_size` {tp_size} (tensor x context parallelism) the count and loss scale are not shown exact"
     elif sp_size > 1:

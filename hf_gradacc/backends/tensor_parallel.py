@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 logger = logging.get_logger(__name__)
 
+
 def _sizes(config: Any) -> dict[str, int]:
     return {
         "dp_replicate": int(getattr(config, "dp_replicate_size", None) or 1),
@@ -222,8 +223,9 @@ class TensorParallelBackend(FSDP2Backend):
                 continue
             if isinstance(grad, DTensor) and not any(p.is_partial() for p in grad.placements):
                 # every placement but Replicate cuts (Shard, and FSDP2's _StridedShard, for which is_shard() is False)
-                pieces = math.prod(grad.device_mesh.size(d) for d, p in enumerate(grad.placements)
-                                   if not p.is_replicate())  # fmt: skip
+                pieces = math.prod(
+                    grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if not p.is_replicate()
+                )
                 local = grad.to_local().detach()
                 device = device or local.device
                 values.append(local.double().pow(2).sum().cpu() * (pieces / world))
@@ -256,5 +258,6 @@ class TensorParallelBackend(FSDP2Backend):
     def full_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         module = fsdp_root(model) if self._has_fsdp else self.accelerator.unwrap_model(model)
         return {
-            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in module.named_parameters()
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for n, p in module.named_parameters()
         }

@@ -172,8 +172,9 @@ def update_running_stats(
         update_running_stats(model, (collate(samples[i : i + 8]) for i in range(0, 64, 8)))
         ```
     """
-    layers = [m for m in (layers if layers is not None else [m for _, m in batchnorm_layers(model)])
-              if m.track_running_stats]  # fmt: skip
+    layers = [
+        m for m in (layers if layers is not None else [m for _, m in batchnorm_layers(model)]) if m.track_running_stats
+    ]
     if not layers:
         return 0
     momenta = [m.momentum for m in layers]

@@ -205,7 +205,10 @@ def build_train_dataloader(
 
 
 def _packing_collator(
-    data: TrainData, settings: GradAccSettings, packed: Callable | None = None, cost_model: AttentionCostModel | None = None
+    data: TrainData,
+    settings: GradAccSettings,
+    packed: Callable | None = None,
+    cost_model: AttentionCostModel | None = None,
 ) -> Callable:
     """``packed`` (the trainer's own padding-free collator) or :class:`~hf_gradacc.data.pack.PackedCollator`, behind
     the Trainer's unused-column removal; PackedCollator comes with a warning when it replaces a collator of the
@@ -215,7 +218,9 @@ def _packing_collator(
     if packed is None:
         user = data.collator
         pads_only = isinstance(user, (PackedCollator, DataCollatorWithFlattening, DataCollatorWithPadding)) or getattr(
-            user, "only_pads", False  # a collator that declares it does nothing but pad (hf_gradacc's PaddingCollator)
+            user,
+            "only_pads",
+            False,  # a collator that declares it does nothing but pad (hf_gradacc's PaddingCollator)
         )
         if not pads_only and user is not default_data_collator:
             logger.warning_once(
@@ -228,7 +233,10 @@ def _packing_collator(
 
 
 def adjust_training_values(
-    dataloader: Any, args: TrainingArguments, values: tuple, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    dataloader: Any,
+    args: TrainingArguments,
+    values: tuple,
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple:
     """Fix `Trainer.set_initial_training_values`:
 
@@ -241,7 +249,9 @@ def adjust_training_values(
       pair unrelated collectives. A rank with fewer batches then meets empty windows, which the loop handles on
       every rank alike.
     """
-    num_train_epochs, num_update_steps, num_examples, num_train_samples, total_batch, steps_in_epoch, max_steps = values
+    num_train_epochs, num_update_steps, num_examples, num_train_samples, total_batch, steps_in_epoch, max_steps = (
+        values
+    )
     sampler = find_regroup_sampler(dataloader)
     if sampler is not None and (
         isinstance(sampler, WindowPackBatchSampler) or sampler.max_tokens_per_micro_batch is not None
@@ -253,8 +263,18 @@ def adjust_training_values(
             max_steps = math.ceil(args.num_train_epochs * num_update_steps)
     if all_gather is not None and None not in (num_update_steps, steps_in_epoch, max_steps):
         local = torch.tensor([num_update_steps, steps_in_epoch, max_steps], dtype=torch.int64)
-        num_update_steps, steps_in_epoch, max_steps = (int(v) for v in all_gather(local).reshape(-1, 3).max(dim=0).values)
-    return (num_train_epochs, num_update_steps, num_examples, num_train_samples, total_batch, steps_in_epoch, max_steps)
+        num_update_steps, steps_in_epoch, max_steps = (
+            int(v) for v in all_gather(local).reshape(-1, 3).max(dim=0).values
+        )
+    return (
+        num_train_epochs,
+        num_update_steps,
+        num_examples,
+        num_train_samples,
+        total_batch,
+        steps_in_epoch,
+        max_steps,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -251,10 +251,13 @@ def cheapest_plan(
             if count * num_processes <= len(samples):
                 regrouped.append(
                     regroup_window(
-                        samples, lengths, num_processes=num_processes, num_micro_batches_per_rank=count,
+                        samples,
+                        lengths,
+                        num_processes=num_processes,
+                        num_micro_batches_per_rank=count,
                         max_tokens=max_tokens,
                     )
-                )  # fmt: skip
+                )
     best, best_cost = None, math.inf
     for plan in [*candidates, *regrouped]:
         if not fits(plan):
@@ -461,7 +464,9 @@ class PackedCollator:
         seq_idx: list[int] = []
         offsets = [0]
         rows: list[tuple[list[int], list[int]]] = []
-        weights: list[list[float]] = []  # `loss_weights` per token (a sample's one weight repeated), hf_gradacc.weights
+        weights: list[
+            list[float]
+        ] = []  # `loss_weights` per token (a sample's one weight repeated), hf_gradacc.weights
         for index, sample in enumerate(samples):
             extra = sorted(set(sample) - set(self.ACCEPTED_KEYS) - set(self.IGNORED_KEYS))
             if extra:
@@ -485,7 +490,9 @@ class PackedCollator:
                     "packs unpadded samples."
                 )
             if ("loss_weights" in sample) != ("loss_weights" in samples[0]):
-                raise GradAccDataError(f"Sample {index} of the micro-batch differs from sample 0 in having `loss_weights`.")
+                raise GradAccDataError(
+                    f"Sample {index} of the micro-batch differs from sample 0 in having `loss_weights`."
+                )
             if "loss_weights" in sample:
                 weights.append(_weights_per_token(sample["loss_weights"], len(ids), index))
             rows.append((ids, [self.ignore_index, *own[1:]]))

@@ -172,7 +172,10 @@ def predict_bytes(shape: HeadShape) -> tuple[float, float]:
     """``(full, fused)``: the LM head's predicted transient memory per micro-batch."""
     per_logit = _dtype_bytes(shape.dtype) + 2 * FP32_BYTES  # logits, their float32 copy / gradient, log-softmax
     tile = min(shape.counted, tile_of(shape.counted, shape.hidden, shape.vocab))
-    return shape.positions * shape.vocab * per_logit, FP32_BYTES * shape.hidden * shape.vocab + tile * shape.vocab * per_logit
+    return (
+        shape.positions * shape.vocab * per_logit,
+        FP32_BYTES * shape.hidden * shape.vocab + tile * shape.vocab * per_logit,
+    )
 
 
 def choose(shape: HeadShape, *, state_bytes: float, factors: CostFactors | None = None) -> FusedChoice:
@@ -255,8 +258,17 @@ def check_fused_setting(
     )
 
 
-def auto_problem(*, settings: Any, head: Any, backend: Any, model: Any, source: Any, trainer_name: str,
-                 cp_size: int = 1, compiled: str | None = None) -> str | None:
+def auto_problem(
+    *,
+    settings: Any,
+    head: Any,
+    backend: Any,
+    model: Any,
+    source: Any,
+    trainer_name: str,
+    cp_size: int = 1,
+    compiled: str | None = None,
+) -> str | None:
     """Why automatic cannot turn the fused head on (at construction), or None: each of the setups
     ``fused_lm_head=True`` refuses or ignores, in words. ``source``: where the loss comes from
     (:class:`~hf_gradacc.step.engine.LossSource`)."""
@@ -303,7 +315,13 @@ def shape_of(window: Any, *, model: Any, head: Any, args: Any) -> HeadShape:
     else:  # sharded or adapted: the config's sizes
         text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
         vocab, hidden = int(text.vocab_size), int(text.hidden_size)
-    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else str(weight.dtype if torch.is_tensor(weight) else torch.float32)
+    dtype = (
+        "bfloat16"
+        if args.bf16
+        else "float16"
+        if args.fp16
+        else str(weight.dtype if torch.is_tensor(weight) else torch.float32)
+    )
     return HeadShape(
         counted=counted,
         positions=positions,
@@ -341,8 +359,19 @@ class FusedPolicy:
         self.choice, self._model, self._head, self._args = choice, model, head, args
 
     @classmethod
-    def at_construction(cls, *, settings: Any, head: Any, backend: Any, model: Any, source: Any, args: Any,
-                        trainer_name: str, cp_size: int = 1, accelerator: Any = None) -> FusedPolicy:
+    def at_construction(
+        cls,
+        *,
+        settings: Any,
+        head: Any,
+        backend: Any,
+        model: Any,
+        source: Any,
+        args: Any,
+        trainer_name: str,
+        cp_size: int = 1,
+        accelerator: Any = None,
+    ) -> FusedPolicy:
         """The decision where the setting or the setup makes it: ``fused_lm_head=True`` checked (ignored with a
         warning when the trainer computes its loss itself, refused where it cannot run), ``False``, or automatic
         (off where :func:`auto_problem` names a reason, torch.compile included, logged; else decided on the first
@@ -350,12 +379,26 @@ class FusedPolicy:
         setting = settings.fused_lm_head
         compiled = compile_setting(args=args, accelerator=accelerator, model=model)
         if setting:
-            check_fused_setting(model=model, head_type=head.type, backend=backend, source=source,
-                                trainer_name=trainer_name, compiled=compiled)
+            check_fused_setting(
+                model=model,
+                head_type=head.type,
+                backend=backend,
+                source=source,
+                trainer_name=trainer_name,
+                compiled=compiled,
+            )
         if setting is not None:
             return cls(FusedChoice(enabled=bool(setting), reason=f"`fused_lm_head={setting}`"))
-        problem = auto_problem(settings=settings, head=head, backend=backend, model=model, source=source,
-                               trainer_name=trainer_name, cp_size=cp_size, compiled=compiled)
+        problem = auto_problem(
+            settings=settings,
+            head=head,
+            backend=backend,
+            model=model,
+            source=source,
+            trainer_name=trainer_name,
+            cp_size=cp_size,
+            compiled=compiled,
+        )
         if problem is None:
             return cls(None, model=model, head=head, args=args)
         choice = FusedChoice(enabled=False, reason=problem)
@@ -385,7 +428,9 @@ def decide(window: Any, *, model: Any, head: Any, args: Any, wrapped: Any = None
     elif window is None or window.streamed:
         choice = FusedChoice(enabled=False, reason="the step's counts are not known before its micro-batches run")
     elif window.counts.weighted:  # hf_gradacc.weights: the tiles sum unweighted targets
-        choice = FusedChoice(enabled=False, reason="the step's batches carry `loss_weights`, which the fused head does not weigh")
+        choice = FusedChoice(
+            enabled=False, reason="the step's batches carry `loss_weights`, which the fused head does not weigh"
+        )
     else:
         choice = choose(shape_of(window, model=model, head=head, args=args), state_bytes=training_state_bytes(model))
     if args.process_index == 0:

@@ -184,8 +184,12 @@ def fused_cross_entropy_sum(
         rows_in, scale = hidden.detach(), transform.scale
         written = kept = None
         if into_grad and module.weight.requires_grad:
-            written = into_grad_begin(module.weight, wrapper, module, lambda: _linear_tiles(
-                rows_in, targets, module, scale, ignore_index, step, False)[1][1])  # fmt: skip
+            written = into_grad_begin(
+                module.weight,
+                wrapper,
+                module,
+                lambda: _linear_tiles(rows_in, targets, module, scale, ignore_index, step, False)[1][1],
+            )
             kept = None if written is not None else kept_buffer(module.weight, wrapper, module)
         total, grads = _linear_tiles(rows_in, targets, module, scale, ignore_index, step, wants_hidden, written, kept)
         if into_grad and written is None and module.weight.requires_grad:
@@ -197,8 +201,16 @@ def fused_cross_entropy_sum(
     for start in range(0, max(rows, 1), step):  # at least one (possibly empty) tile: every parameter gets a gradient
         part_hidden, part_targets = hidden[start : start + step].detach(), targets[start : start + step]
         if linear:  # the weight's gradient added into one buffer, with no temporary [vocabulary x hidden] per tile
-            loss = _linear_tile(part_hidden, part_targets, module, transform, ignore_index, label_smoothing,
-                                grad_hidden[start : start + step] if wants_hidden else None, grad_params)  # fmt: skip
+            loss = _linear_tile(
+                part_hidden,
+                part_targets,
+                module,
+                transform,
+                ignore_index,
+                label_smoothing,
+                grad_hidden[start : start + step] if wants_hidden else None,
+                grad_params,
+            )
         else:
             with torch.enable_grad():
                 part_hidden.requires_grad_(wants_hidden)

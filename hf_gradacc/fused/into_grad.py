@@ -224,8 +224,9 @@ class Written:
 
     __slots__ = ("weight", "grad", "alpha", "wrapper", "head", "recompute", "version", "settled", "__weakref__")
 
-    def __init__(self, weight: torch.Tensor, alpha: float, wrapper: Any, head: Any,
-                 recompute: Callable[[], torch.Tensor]) -> None:  # fmt: skip
+    def __init__(
+        self, weight: torch.Tensor, alpha: float, wrapper: Any, head: Any, recompute: Callable[[], torch.Tensor]
+    ) -> None:
         self.weight, self.grad, self.alpha, self.wrapper, self.head = weight, weight.grad, alpha, wrapper, head
         self.recompute, self.version, self.settled = recompute, -1, False
 

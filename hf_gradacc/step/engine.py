@@ -210,8 +210,12 @@ class StepEngine:
         else:
             batches, _ = host.get_batch_samples(epoch_iterator, num_batches, host.args.device)
             window = Window.prefetched(
-                batches, count=self.count, all_gather=self.backend.all_gather, device=host.args.device,
-                dp_world_size=world, defers_sync=self.settings.auto_micro_batch,
+                batches,
+                count=self.count,
+                all_gather=self.backend.all_gather,
+                device=host.args.device,
+                dp_world_size=world,
+                defers_sync=self.settings.auto_micro_batch,
             )
             if self.auto_rows is not None:
                 window.resplit(self.auto_rows, self.count)
@@ -286,8 +290,12 @@ class StepEngine:
             shape = router_shape(self.host.model) if self.returns_router_logits else None
             return StepRouting(shape=shape) if shape is not None else None
         return routing_prepass(
-            model, window.micro_batches, shape=self.router, prepare=self.host._prepare_inputs,
-            all_gather=self.backend.all_gather, device=self.host.args.device,
+            model,
+            window.micro_batches,
+            shape=self.router,
+            prepare=self.host._prepare_inputs,
+            all_gather=self.backend.all_gather,
+            device=self.host.args.device,
             num_input_tokens=window.global_count("input_tokens"),
         )
 
@@ -342,7 +350,9 @@ class StepEngine:
             )
         return total
 
-    def micro_batches(self, model: nn.Module, window: Window, epoch_iterator: Iterator, num_batches: int) -> torch.Tensor:
+    def micro_batches(
+        self, model: nn.Module, window: Window, epoch_iterator: Iterator, num_batches: int
+    ) -> torch.Tensor:
         """One pass over the window's micro-batches (prefetched, or pulled from the iterator when streamed): each
         through the trainer's ``training_step``, the one call back into the trainer per micro-batch."""
         host = self.host
@@ -409,7 +419,10 @@ class StepEngine:
         try:
             with host.compute_loss_context_manager():
                 raw = host.compute_loss(
-                    model, inputs, return_outputs=check and not source.custom_compute_loss, num_items_in_batch=num_items
+                    model,
+                    inputs,
+                    return_outputs=check and not source.custom_compute_loss,
+                    num_items_in_batch=num_items,
                 )
         finally:
             if hook is not None:
@@ -443,7 +456,11 @@ class StepEngine:
         """A mixture-of-experts model's own loss returned by an override (CE mean + coef x aux): its router terms
         weighted by routed tokens."""
         terms = split_model_loss(
-            unwrapped, parsed.plain, seen, main_count=local, main_denominator=self.primary_denominator,
+            unwrapped,
+            parsed.plain,
+            seen,
+            main_count=local,
+            main_denominator=self.primary_denominator,
             num_input_tokens=window.current_counts.num_input_tokens,
         )
         if terms is not None:
@@ -491,7 +508,9 @@ class StepEngine:
                 "last micro-batch's last backward pass may be final."
             )
         if self.settings.nonfinite_steps != "propagate":
-            loss = poison_nonfinite(loss)  # a NaN/Inf loss on any rank makes the reduced gradient non-finite everywhere
+            loss = poison_nonfinite(
+                loss
+            )  # a NaN/Inf loss on any rank makes the reduced gradient non-finite everywhere
         # A window that defers its sync reduces once after its last micro-batch (Window.defers_sync).
         self.backend.backward(loss, is_final=final and not window.defers_sync, retain_graph=retain_graph)
         if final:
@@ -509,8 +528,14 @@ class StepEngine:
             into_grad.release_buffers()  # the full logits make their own weight gradient (or none: evaluation)
         self.fused_head_ran |= fused
         terms, outputs = builtin_loss(
-            self.head, model, inputs, denominator=self.primary_denominator, with_model_loss=check, fused_lm_head=fused,
-            routing=window.routing if training else None, micro_batch_index=window.index if training else None,
+            self.head,
+            model,
+            inputs,
+            denominator=self.primary_denominator,
+            with_model_loss=check,
+            fused_lm_head=fused,
+            routing=window.routing if training else None,
+            micro_batch_index=window.index if training else None,
             all_gather=self.backend.all_gather,
             num_input_tokens=window.current_counts.num_input_tokens if training else None,  # counted already
         )
@@ -535,8 +560,13 @@ class StepEngine:
             step = host.state.global_step + 1
             # one verdict on every rank, AFTER the hooks and callbacks: a NaN they wrote on one rank drops the step
             skip = must_skip(
-                policy, grad_norm, step=step, rank=host.args.process_index, losses=window.losses,
-                agree=backend.sum_over_processes, hooks_nonfinite=hooks_nonfinite,
+                policy,
+                grad_norm,
+                step=step,
+                rank=host.args.process_index,
+                losses=window.losses,
+                agree=backend.sum_over_processes,
+                hooks_nonfinite=hooks_nonfinite,
             )
             if skip:
                 self.num_nonfinite_skipped += 1
@@ -554,8 +584,10 @@ class StepEngine:
         self.events.fire("on_optimizer_step")
         if schedule is not None:
             self.logs.add(
-                {"accumulation_steps": schedule.at(host.state.global_step),
-                 "effective_batch_size": window.counts.global_samples},
+                {
+                    "accumulation_steps": schedule.at(host.state.global_step),
+                    "effective_batch_size": window.counts.global_samples,
+                },
                 per_step=True,
             )
         if not host.accelerator.optimizer_step_was_skipped and not isinstance(

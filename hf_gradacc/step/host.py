@@ -42,8 +42,9 @@ class TrainerHost(Protocol):
     def training_step_context(self) -> contextlib.AbstractContextManager:
         """A context around each micro-batch's ``training_step`` (TRL's activation offloading)."""
 
-    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: Any = None) -> Any:
+    def compute_loss(
+        self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
         """The micro-batch's loss (an override point)."""
 
     def compute_loss_context_manager(self) -> contextlib.AbstractContextManager:

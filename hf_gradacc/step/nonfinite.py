@@ -48,7 +48,10 @@ def describe(step: int, rank: int, bad: list[int], grad_norm: float) -> str:
 
 
 def agreed_nonfinite(
-    grad_norm: torch.Tensor | float, hooks_nonfinite: torch.Tensor | None = None, *, agree: Callable[[torch.Tensor], torch.Tensor]
+    grad_norm: torch.Tensor | float,
+    hooks_nonfinite: torch.Tensor | None = None,
+    *,
+    agree: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[bool, bool]:
     """(non-finite on any rank, on this rank): this rank's verdict is its norm, or a non-finite value an
     accumulated-gradient hook left (``hooks_nonfinite``); ``agree`` sums that flag over every rank (the backend's
@@ -84,11 +87,15 @@ def must_skip(
     norm = float(grad_norm)
     message = describe(step, rank, nonfinite_micro_batches(losses), norm)
     if here and math.isfinite(norm):
-        message = (f"Optimizer step {step}: an accumulated-gradient hook left rank {rank}'s gradient not finite "
-                   f"(NaN/Inf where the norm, {norm}, does not show it: another rank's ZeRO partition)")  # fmt: skip
+        message = (
+            f"Optimizer step {step}: an accumulated-gradient hook left rank {rank}'s gradient not finite "
+            f"(NaN/Inf where the norm, {norm}, does not show it: another rank's ZeRO partition)"
+        )
     elif not here:
-        message = (f"Optimizer step {step}: the accumulated gradient is not finite on another rank (written after the "
-                   f"reduction: a gradient hook, a callback or a `training_step` override); this rank's norm is {norm}")  # fmt: skip
+        message = (
+            f"Optimizer step {step}: the accumulated gradient is not finite on another rank (written after the "
+            f"reduction: a gradient hook, a callback or a `training_step` override); this rank's norm is {norm}"
+        )
     if policy == "raise":
         raise NonFiniteStepError(
             f"{message}. `nonfinite_steps='raise'` stops every rank here; set it to 'skip' to drop such steps."

@@ -46,8 +46,15 @@ class RunPlan:
     data_position: DataPosition | None = None
 
     def training_values(
-        self, args: Any, dataloader: Any, values: tuple, *, settings: Any, backend: Any,
-        samples_per_micro_batch: int, num_train_samples: int | None,
+        self,
+        args: Any,
+        dataloader: Any,
+        values: tuple,
+        *,
+        settings: Any,
+        backend: Any,
+        samples_per_micro_batch: int,
+        num_train_samples: int | None,
     ) -> tuple:
         """`Trainer.set_initial_training_values`'s ``values`` (epochs, steps per epoch, examples, samples, total
         batch, batches per epoch, max steps): steps counted as windows when a token budget gives windows more than
@@ -60,18 +67,41 @@ class RunPlan:
         self.batches_per_epoch = values[5] if has_length(dataloader) else None
         if schedule is not None:
             run = scheduled_training_values(
-                schedule, batches_per_epoch=self.batches_per_epoch, num_train_epochs=args.num_train_epochs,
-                max_steps=args.max_steps, samples_per_micro_batch=values[4] // args.gradient_accumulation_steps,
+                schedule,
+                batches_per_epoch=self.batches_per_epoch,
+                num_train_epochs=args.num_train_epochs,
+                max_steps=args.max_steps,
+                samples_per_micro_batch=values[4] // args.gradient_accumulation_steps,
             )
-            logger.info(f"  Accumulation schedule = {schedule} (lr_scaling={settings.lr_scaling!r}), {run.max_steps} steps")
-            values = (run.num_train_epochs, run.num_update_steps_per_epoch, values[2], run.num_train_samples,
-                      values[4], run.steps_in_epoch, run.max_steps)
-        return self.resume_values(args, dataloader, values, schedule=schedule,
-                                  samples_per_micro_batch=samples_per_micro_batch,
-                                  num_train_samples=num_train_samples)
+            logger.info(
+                f"  Accumulation schedule = {schedule} (lr_scaling={settings.lr_scaling!r}), {run.max_steps} steps"
+            )
+            values = (
+                run.num_train_epochs,
+                run.num_update_steps_per_epoch,
+                values[2],
+                run.num_train_samples,
+                values[4],
+                run.steps_in_epoch,
+                run.max_steps,
+            )
+        return self.resume_values(
+            args,
+            dataloader,
+            values,
+            schedule=schedule,
+            samples_per_micro_batch=samples_per_micro_batch,
+            num_train_samples=num_train_samples,
+        )
 
     def resume_values(
-        self, args: Any, dataloader: Any, values: tuple, *, schedule: Any, samples_per_micro_batch: int,
+        self,
+        args: Any,
+        dataloader: Any,
+        values: tuple,
+        *,
+        schedule: Any,
+        samples_per_micro_batch: int,
         num_train_samples: int | None,
     ) -> tuple:
         """A resume whose checkpoint position (in samples) is not where the stock skip lands (another batch size,
@@ -83,8 +113,11 @@ class RunPlan:
             return values
         num_train_epochs, steps_per_epoch, num_examples, num_train_samples_, total_batch, batches, max_steps = values
         epoch, done = stock_position(
-            point.global_step, num_update_steps_per_epoch=steps_per_epoch, batches_per_epoch=batches,
-            gradient_accumulation_steps=args.gradient_accumulation_steps, schedule=schedule,
+            point.global_step,
+            num_update_steps_per_epoch=steps_per_epoch,
+            batches_per_epoch=batches,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            schedule=schedule,
         )
         stock_samples = min(done * samples_per_micro_batch, num_train_samples or 0)
         if not point.changed and (epoch, stock_samples) == (point.epoch, point.num_samples):
@@ -112,13 +145,25 @@ class RunPlan:
             return (epoch, steps_per_epoch, num_examples, num_train_samples_, total_batch, batches, max_steps)
         while epoch < args.num_train_epochs:  # the epochs asked for; a fraction of one takes that part of its steps
             in_epoch = steps_of(step, batches)
-            step += in_epoch if args.num_train_epochs - epoch >= 1 else math.ceil((args.num_train_epochs - epoch) * in_epoch)
+            step += (
+                in_epoch
+                if args.num_train_epochs - epoch >= 1
+                else math.ceil((args.num_train_epochs - epoch) * in_epoch)
+            )
             epoch += 1
         return (num_train_epochs, steps_per_epoch, num_examples, num_train_samples_, total_batch, batches, step)
 
     def resumed_start(
-        self, args: Any, global_step: int, epochs_trained: int, steps_trained: int, *, max_steps: int,
-        num_train_epochs: int, resume_from_checkpoint: Any, schedule: Any,
+        self,
+        args: Any,
+        global_step: int,
+        epochs_trained: int,
+        steps_trained: int,
+        *,
+        max_steps: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: Any,
+        schedule: Any,
     ) -> tuple[int, int]:
         """The epoch a resumed run starts in and the micro-batches it skips there: from the schedule (windows differ
         in size), or from the checkpoint's recorded position (not ``global_step`` over THIS run's steps per epoch,
@@ -128,8 +173,11 @@ class RunPlan:
         below the checkpoint's step)."""
         step = global_step
         if resume_from_checkpoint is not None and step > 0 and step >= max_steps:
-            length = (f"`max_steps` ({args.max_steps})" if args.max_steps > 0 else
-                      f"the run's length ({max_steps} steps from `num_train_epochs`={args.num_train_epochs})")
+            length = (
+                f"`max_steps` ({args.max_steps})"
+                if args.max_steps > 0
+                else f"the run's length ({max_steps} steps from `num_train_epochs`={args.num_train_epochs})"
+            )
             logger.warning(
                 f"Resuming {resume_from_checkpoint!r}: {length} is not above the checkpoint's step ({step}), so no "
                 f"optimizer step is taken and the run ends at once, with the checkpoint's weights. Raise `max_steps` "
@@ -142,16 +190,24 @@ class RunPlan:
         point = self.resume_at
         if point is None or resume_from_checkpoint is None:
             return epochs_trained, steps_trained
-        skipped = "no sample is skipped (`ignore_data_skip=True`)" if args.ignore_data_skip else (
-            f"training continues from sample {point.num_samples} of epoch {point.epoch}'s order, in this run's "
-            "layout, every remaining sample once"
+        skipped = (
+            "no sample is skipped (`ignore_data_skip=True`)"
+            if args.ignore_data_skip
+            else (
+                f"training continues from sample {point.num_samples} of epoch {point.epoch}'s order, in this run's "
+                "layout, every remaining sample once"
+            )
         )
         by_max_steps = (
             f", as `max_steps` ({args.max_steps}) sets: the run's length is counted in steps of this run's layout"
-            if args.max_steps > 0 else ""
+            if args.max_steps > 0
+            else ""
         )
-        change = (f"with another data layout ({', '.join(point.changed)})" if point.changed else
-                  "at the position its record gives (an earlier resume changed the layout)")
+        change = (
+            f"with another data layout ({', '.join(point.changed)})"
+            if point.changed
+            else "at the position its record gives (an earlier resume changed the layout)"
+        )
         logger.warning(
             f"Resuming {resume_from_checkpoint!r} {change}: the checkpoint (step "
             f"{point.global_step}) had trained the first {point.num_samples} samples of epoch {point.epoch}; "

@@ -46,7 +46,8 @@ def split_micro_batches(micro_batches: Sequence[Mapping[str, Any]], max_rows: in
             stop = min(start + max_rows, rows)
             pieces.append(
                 {
-                    key: value[start:stop] if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows
+                    key: value[start:stop]
+                    if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows
                     else value
                     for key, value in batch.items()
                 }
@@ -196,9 +197,9 @@ class Window:
         return self.counts.global_count(denominator)
 
     # ---------------------------------------------------------------- the normalisation
-    def normalized_terms(self, parsed: LossOutput, *, primary: str, warn_on_plain_loss: bool = True) -> list[
-        tuple[str, torch.Tensor]
-    ]:
+    def normalized_terms(
+        self, parsed: LossOutput, *, primary: str, warn_on_plain_loss: bool = True
+    ) -> list[tuple[str, torch.Tensor]]:
         """Each term of the running micro-batch's loss, ready for backward: its sum over the micro-batch divided by
         its count over the whole step (streamed: not yet divided), times the world size.
 
@@ -233,7 +234,7 @@ class Window:
         if self.counts.weighted:
             raise GradAccLossError(
                 "compute_loss returned a plain tensor for a step whose batches carry `loss_weights`: a mean cannot be "
-                "re-weighted exactly. Return hf_gradacc.LossTerm(total=<weighted sum>, normalize_by=\"weights\") "
+                're-weighted exactly. Return hf_gradacc.LossTerm(total=<weighted sum>, normalize_by="weights") '
                 "(hf_gradacc.weights.weighted_loss_sum), or drop the column."
             )
         if warn_on_plain_loss:
@@ -294,7 +295,9 @@ class Window:
         self.streamed_custom += custom
         return [("loss", summed * world)]
 
-    def finish_streamed(self, all_gather: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str) -> int | None:
+    def finish_streamed(
+        self, all_gather: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str
+    ) -> int | None:
         """Sum this streamed window's counts over ranks (one collective) and agree on the denominator.
 
         Returns the global count (0: nothing counted on any rank), or None when no rank had a micro-batch. An error
@@ -344,7 +347,6 @@ class Window:
             self.term_totals[name] = value if total is None else total + value
 
 
-
 @dataclass
 class TermLog:
     """Each named loss term's share of the logged loss, summed over the optimizer steps since the last log line; and
@@ -363,13 +365,17 @@ class TermLog:
             total = self.totals.get(name)
             self.totals[name] = value if total is None else total + value
 
-    def pop_means(self, all_gather: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str) -> dict[str, float]:
+    def pop_means(
+        self, all_gather: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str
+    ) -> dict[str, float]:
         """``{"loss/<name>": mean per step, averaged over ranks}``, with the expert load of a mixture-of-experts model
         (summed over ranks), then reset: ONE collective on several ranks (the terms' float64 bits and the load counts
         in one int64 vector, as the step's count vector carries a weight sum)."""
         load = self.moe.take()
         names = sorted(self.totals) if self.num_steps else []
-        parts = [torch.stack([self.totals[n] for n in names]).detach().cpu().double().view(torch.int64)] if names else []
+        parts = (
+            [torch.stack([self.totals[n] for n in names]).detach().cpu().double().view(torch.int64)] if names else []
+        )
         parts += [load.reshape(-1).cpu().long()] if load is not None else []
         if not parts:
             return {}
@@ -377,6 +383,6 @@ class TermLog:
         means = rows[:, : len(names)].contiguous().view(torch.float64).mean(dim=0).tolist()
         logs = {f"loss/{name}": value / self.num_steps for name, value in zip(names, means)}
         if load is not None:
-            logs.update(self.moe.logs(rows[:, len(names):].sum(dim=0).reshape(load.shape)))
+            logs.update(self.moe.logs(rows[:, len(names) :].sum(dim=0).reshape(load.shape)))
         self.totals, self.num_steps = {}, 0
         return logs

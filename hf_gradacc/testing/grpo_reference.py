@@ -93,13 +93,19 @@ class GRPOLossSettings:
         if args.beta != 0.0 or args.entropy_coef != 0.0 or args.top_entropy_quantile < 1.0:
             raise ValueError("the loss-type reference has no KL term, entropy bonus or entropy mask: beta=0 only")
         values = dict(
-            loss_type=args.loss_type, max_completion_length=args.max_completion_length, epsilon_low=args.epsilon,
-            epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high, delta=args.delta,
+            loss_type=args.loss_type,
+            max_completion_length=args.max_completion_length,
+            epsilon_low=args.epsilon,
+            epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
+            delta=args.delta,
             importance_sampling_level=args.importance_sampling_level,
-            sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
-            vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
             vespo_lambda_neg=args.vespo_lambda_neg,
-        )  # fmt: skip
+        )
         return cls(**{**values, **overrides})
 
 

@@ -59,10 +59,18 @@ def build_tiny_policy(seed: int = 0, *, vocab_size: int = GRPO_VOCAB_SIZE) -> to
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0, eos_token_id=EOS_TOKEN_ID,
-        bos_token_id=None, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=EOS_TOKEN_ID,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -75,11 +83,23 @@ def build_tiny_moe_policy(seed: int = 0, *, router_aux_loss_coef: float = 0.5) -
 
     torch.manual_seed(seed)
     config = MixtralConfig(
-        vocab_size=GRPO_VOCAB_SIZE, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
-        router_aux_loss_coef=router_aux_loss_coef, output_router_logits=False, tie_word_embeddings=False,
-        pad_token_id=0, eos_token_id=EOS_TOKEN_ID, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=GRPO_VOCAB_SIZE,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=router_aux_loss_coef,
+        output_router_logits=False,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=EOS_TOKEN_ID,
+        bos_token_id=None,
+    )
     return MixtralForCausalLM(config)
 
 
@@ -96,9 +116,11 @@ def grpo_prompts(num_prompts: int = 16, seed: int = 3, *, vocab_size: int = GRPO
 
     rng = random.Random(seed)
     return Dataset.from_list(
-        [{"prompt": " ".join(word(rng.randint(3, vocab_size - 1)) for _ in range(rng.randint(1, 5)))}
-         for _ in range(num_prompts)]
-    )  # fmt: skip
+        [
+            {"prompt": " ".join(word(rng.randint(3, vocab_size - 1)) for _ in range(rng.randint(1, 5)))}
+            for _ in range(num_prompts)
+        ]
+    )
 
 
 def length_reward(completions: Sequence[str], **kwargs: Any) -> list[float]:
@@ -120,7 +142,9 @@ class GRPOStepRecorder:
             keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
             recorded = {k: inputs[k].detach().cpu().clone() for k in keys}
             self.recorded_micro_batches = [*getattr(self, "recorded_micro_batches", []), recorded]
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
 
 def recorded_sequences(micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[tuple[list[int], list[int], float]]:

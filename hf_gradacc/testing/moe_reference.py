@@ -27,7 +27,10 @@ def _experts_and_top_k(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def global_balance_loss(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], *, perturb: Callable[[torch.Tensor], torch.Tensor] | None = None
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    perturb: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(coef x aux(S), f(S))`` of one collated float64 batch holding the whole step. ``perturb``: applied to the
     ``[experts]`` assignment counts before they are used (to show a test can fail)."""

@@ -161,7 +161,9 @@ def reference_gradients(
     loss = full_batch_loss(ref, batch, task, ignore)
     if router_coefficient(ref) is not None:
         if micro_batches is None:
-            raise GradAccConfigError("the model returns a router loss: pass the step's `micro_batches` to the reference")
+            raise GradAccConfigError(
+                "the model returns a router loss: pass the step's `micro_batches` to the reference"
+            )
         loss = loss + router_loss(ref, [collate(list(mb)) for mb in micro_batches])
     loss.backward()
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.requires_grad and p.grad is not None}

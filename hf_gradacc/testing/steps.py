@@ -71,7 +71,9 @@ class StepRecorder(GradAccCallback):
         ids: list[int] = []
         for batch in window.micro_batches:
             rows = batch[self.main_input].cpu()
-            lengths = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else [rows.shape[-1]] * len(rows)
+            lengths = (
+                batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else [rows.shape[-1]] * len(rows)
+            )
             ids.extend(self.index[tuple(row[:n].tolist())] for row, n in zip(rows, lengths))
         self._pending = RecordedStep(step=state.global_step, micro_batches=window.num_micro_batches, samples=ids)
 

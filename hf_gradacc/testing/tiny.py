@@ -198,12 +198,19 @@ def build_tiny_moe(
     if family == "mixtral":
         return tf.MixtralForCausalLM(tf.MixtralConfig(num_local_experts=4, **common))
     if family == "qwen3_moe":
-        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=2 * hidden_size, **common))
+        return tf.Qwen3MoeForCausalLM(
+            tf.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=2 * hidden_size, **common)
+        )
     raise GradAccConfigError(f"`family` ({family!r}) must be one of {MOE_FAMILIES}")
 
 
 def synthetic_clm_dataset(
-    num_samples: int, *, prompt_fraction: float = 0.3, seed: int = 0, vocab_size: int = VOCAB_SIZE, mean_log_words: float = 2.5
+    num_samples: int,
+    *,
+    prompt_fraction: float = 0.3,
+    seed: int = 0,
+    vocab_size: int = VOCAB_SIZE,
+    mean_log_words: float = 2.5,
 ) -> Any:
     """Long-tailed synthetic documents as a `datasets.Dataset`, tokenized with `datasets.map` the way run_clm does:
     a byte-level "tokenizer" (ids from 2 to ``vocab_size - 1``, offline), the first ``prompt_fraction`` of each

@@ -56,12 +56,24 @@ def build_tiny_vlm(family: str = "llava", *, seed: int = 0, hidden_size: int = 3
     import transformers as tf
 
     torch.manual_seed(seed)
-    text = dict(vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD)  # fmt: skip
-    vision = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=1, num_attention_heads=4)
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+    )
+    vision = dict(
+        hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=1, num_attention_heads=4
+    )
     if family == "llava":
         config = tf.LlavaConfig(
-            vision_config=tf.CLIPVisionConfig(image_size=IMAGE_SIZE, patch_size=8, projection_dim=hidden_size, **vision),
+            vision_config=tf.CLIPVisionConfig(
+                image_size=IMAGE_SIZE, patch_size=8, projection_dim=hidden_size, **vision
+            ),
             text_config=tf.LlamaConfig(**text),
             image_token_index=IMAGE_TOKEN,
             vision_feature_layer=-1,
@@ -74,25 +86,49 @@ def build_tiny_vlm(family: str = "llava", *, seed: int = 0, hidden_size: int = 3
         rope = {"rope_type": "default", "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]}
         if family == "qwen2_5_vl":
             rope["type"] = "mrope"
-            vision_config = dict(depth=1, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_heads=4,
-                                 out_hidden_size=hidden_size, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                                 window_size=8, fullatt_block_indexes=[0])  # fmt: skip
+            vision_config = dict(
+                depth=1,
+                hidden_size=hidden_size,
+                intermediate_size=2 * hidden_size,
+                num_heads=4,
+                out_hidden_size=hidden_size,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                window_size=8,
+                fullatt_block_indexes=[0],
+            )
             config = tf.Qwen2_5_VLConfig(
                 text_config={**text, "rope_parameters": rope, "model_type": "qwen2_5_vl_text"},
-                vision_config=vision_config, image_token_id=IMAGE_TOKEN, video_token_id=VOCAB - 4,
-                vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
-            )  # fmt: skip
+                vision_config=vision_config,
+                image_token_id=IMAGE_TOKEN,
+                video_token_id=VOCAB - 4,
+                vision_start_token_id=VISION_START,
+                vision_end_token_id=VISION_END,
+            )
             model = tf.Qwen2_5_VLForConditionalGeneration(config)
         else:
             rope["mrope_interleaved"] = True
-            vision_config = dict(depth=1, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_heads=4,
-                                 out_hidden_size=hidden_size, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                                 num_position_embeddings=16, deepstack_visual_indexes=[0])  # fmt: skip
+            vision_config = dict(
+                depth=1,
+                hidden_size=hidden_size,
+                intermediate_size=2 * hidden_size,
+                num_heads=4,
+                out_hidden_size=hidden_size,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                num_position_embeddings=16,
+                deepstack_visual_indexes=[0],
+            )
             config = tf.Qwen3VLConfig(
                 text_config={**text, "head_dim": head_dim, "rope_parameters": rope},
-                vision_config=vision_config, image_token_id=IMAGE_TOKEN, video_token_id=VOCAB - 4,
-                vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
-            )  # fmt: skip
+                vision_config=vision_config,
+                image_token_id=IMAGE_TOKEN,
+                video_token_id=VOCAB - 4,
+                vision_start_token_id=VISION_START,
+                vision_end_token_id=VISION_END,
+            )
             model = tf.Qwen3VLForConditionalGeneration(config)
     elif family == "gemma3":
         config = tf.Gemma3Config(
@@ -129,8 +165,9 @@ def image_tokens_per_image(family: str) -> int:
     return 4
 
 
-def make_vlm_samples(model_or_family: Any, num_samples: int = 8, *, seed: int = 0,
-                     max_answer: int = 24) -> list[dict[str, Any]]:  # fmt: skip
+def make_vlm_samples(
+    model_or_family: Any, num_samples: int = 8, *, seed: int = 0, max_answer: int = 24
+) -> list[dict[str, Any]]:
     """Samples of one image each: ``input_ids`` ``[BOS, prompt..., (start), image x 4, (end), prompt..., answer...]``,
     ``labels`` the answer only (every 5th sample, index 2, 7, ..., no answer: nothing counted), ``pixel_values``
     (``[3, 16, 16]`` as nested lists; each image its own brightness) and, for Gemma 3 / Qwen3-VL, ``token_type_ids`` /
@@ -236,12 +273,24 @@ def build_tiny_llava_processor(path: str) -> Any:
     specials = {PAD: "<pad>", BOS: "<s>", IMAGE_TOKEN: "<image>"}
     backend = Tokenizer(models.WordLevel(vocab={specials.get(i, f"w{i}"): i for i in range(VOCAB)}, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<s>", bos_token="<s>",
-                                           extra_special_tokens={"image_token": "<image>"})  # fmt: skip
-    images = tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-    processor = tf.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8,
-                                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                                  image_token="<image>")  # fmt: skip
+    tokenizer = tf.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<s>",
+        bos_token="<s>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    images = tf.CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    processor = tf.LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+    )
     processor.save_pretrained(path)
     return tf.AutoProcessor.from_pretrained(path)
 
@@ -269,8 +318,15 @@ def processed_samples(processor: Any, rows: Sequence[dict[str, Any]]) -> list[di
     samples = []
     for row in rows:
         prompt = processor(images=row["images"], text=[row["prompt"]], return_tensors="pt")
-        answer = processor.tokenizer(row["completion"], add_special_tokens=False)["input_ids"] if row["completion"] else []
+        answer = (
+            processor.tokenizer(row["completion"], add_special_tokens=False)["input_ids"] if row["completion"] else []
+        )
         ids = prompt["input_ids"][0].tolist()
-        samples.append({"input_ids": ids + answer, "labels": [IGNORE_INDEX] * len(ids) + answer,
-                        "pixel_values": prompt["pixel_values"][0].tolist()})  # fmt: skip
+        samples.append(
+            {
+                "input_ids": ids + answer,
+                "labels": [IGNORE_INDEX] * len(ids) + answer,
+                "pixel_values": prompt["pixel_values"][0].tolist(),
+            }
+        )
     return samples

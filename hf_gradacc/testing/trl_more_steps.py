@@ -64,11 +64,13 @@ def kto_rows(num_samples: int = 7, seed: int = 5, *, vocab_size: int = VOCAB_SIZ
     rng = random.Random(seed)
     rows = []
     for i in range(num_samples):
-        rows.append({
-            "prompt": [rng.randint(3, vocab_size - 1) for _ in range(rng.randint(1, 8))],
-            "completion": [rng.randint(3, vocab_size - 1) for _ in range(rng.randint(1, 6))] + [EOS_TOKEN_ID],
-            "label": bool(rng.random() < 0.5) if i > 1 else bool(i == 0),
-        })  # fmt: skip
+        rows.append(
+            {
+                "prompt": [rng.randint(3, vocab_size - 1) for _ in range(rng.randint(1, 8))],
+                "completion": [rng.randint(3, vocab_size - 1) for _ in range(rng.randint(1, 6))] + [EOS_TOKEN_ID],
+                "label": bool(rng.random() < 0.5) if i > 1 else bool(i == 0),
+            }
+        )
     return rows
 
 
@@ -109,8 +111,10 @@ def kto_kl_estimate(
     policy, ref_model = _float64(policy), _float64(ref_model)
     kl_completions = kto_kl_completions(rows, per_device_train_batch_size)
     with torch.no_grad():
-        values = [_sequence_logp(policy, r["prompt"], y) - _sequence_logp(ref_model, r["prompt"], y)
-                  for r, y in zip(rows, kl_completions, strict=True)]  # fmt: skip
+        values = [
+            _sequence_logp(policy, r["prompt"], y) - _sequence_logp(ref_model, r["prompt"], y)
+            for r, y in zip(rows, kl_completions, strict=True)
+        ]
     return max(0.0, float(torch.stack(values).mean()))
 
 

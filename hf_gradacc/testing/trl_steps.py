@@ -78,10 +78,18 @@ def save_tiny_checkpoint(path: str | Any, texts: Sequence[str], *, seed: int = 0
     )
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(vocabulary), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=EOS_TOKEN_ID,
-        bos_token_id=None, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=len(vocabulary),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=EOS_TOKEN_ID,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -180,19 +188,24 @@ def dpo_dataset(pairs: Sequence[dict[str, list[int]]]) -> Any:
         return " ".join(word(i) for i in ids)
 
     return Dataset.from_list(
-        [{"prompt": text(p["prompt"]), "chosen": " " + text(p["chosen"]), "rejected": " " + text(p["rejected"])}
-         for p in pairs]
-    )  # fmt: skip
+        [
+            {"prompt": text(p["prompt"]), "chosen": " " + text(p["chosen"]), "rejected": " " + text(p["rejected"])}
+            for p in pairs
+        ]
+    )
 
 
 def reward_rows(num_pairs: int = 7, seed: int = 2, *, vocab_size: int = VOCAB_SIZE) -> list[dict[str, Any]]:
     """Tokenized preference pairs for TRL's RewardTrainer (``chosen_ids``, ``rejected_ids``, ``margin``)."""
     rng = random.Random(seed)
     return [
-        {"chosen_ids": _ids(rng, rng.randint(2, 10), vocab_size), "rejected_ids": _ids(rng, rng.randint(2, 10), vocab_size),
-         "margin": round(rng.random(), 3)}
+        {
+            "chosen_ids": _ids(rng, rng.randint(2, 10), vocab_size),
+            "rejected_ids": _ids(rng, rng.randint(2, 10), vocab_size),
+            "margin": round(rng.random(), 3),
+        }
         for _ in range(num_pairs)
-    ]  # fmt: skip
+    ]
 
 
 def build_tiny_reward_model(seed: int = 0) -> torch.nn.Module:
@@ -201,9 +214,16 @@ def build_tiny_reward_model(seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = tf.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, num_labels=1,
-    )  # fmt: skip
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        num_labels=1,
+    )
     return tf.LlamaForSequenceClassification(config)
 
 
@@ -356,8 +376,10 @@ class _FixedBatchLayout:
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         if sum(self.batch_layout) != len(dataset):
-            raise ValueError(f"the batch layout {self.batch_layout} covers {sum(self.batch_layout)} samples, the "
-                             f"dataset holds {len(dataset)}")  # fmt: skip
+            raise ValueError(
+                f"the batch layout {self.batch_layout} covers {sum(self.batch_layout)} samples, the "
+                f"dataset holds {len(dataset)}"
+            )
         loader = DataLoader(dataset, batch_sampler=LayoutBatchSampler(self.batch_layout), collate_fn=collator)
         # accelerate 1.11-1.13 refuse a batch sampler without a batch size with `even_batches=True`; the layout deals
         # every rank the same number of batches, so sharding it unevenly deals the same batches (compat.py)

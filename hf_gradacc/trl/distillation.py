@@ -83,7 +83,8 @@ class GradAccDistillationTrainer(GradAccMixin, GeneratesAtFetch, DistillationTra
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         check_args_class(config, DistillationConfig, GradAccDistillationConfig)
         refuse_other_vocabulary(
-            kwargs.get("model", args[0] if args else None), kwargs.get("teacher_model", args[1] if len(args) > 1 else None)
+            kwargs.get("model", args[0] if args else None),
+            kwargs.get("teacher_model", args[1] if len(args) > 1 else None),
         )  # before TRL prepares the student, the Trainer and the accelerator
         super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
 

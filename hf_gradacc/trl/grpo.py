@@ -221,8 +221,6 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
             return 0.0
         return float(self.entropy_coef)
 
-
-
     def _refuse_grpo_settings(self) -> None:
         """The GRPO settings no split of the step into sums can reproduce, or that would replace TRL's dataloader."""
         args, settings, name = self.args, self.gradacc, type(self).__name__
@@ -259,25 +257,26 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
                 "`accumulation_schedule`."
             )
 
-
     def _refuse_grpo_before_fused_head(self) -> None:
         """What GRPO reads from TRL's fused LM head (TRL >= 1.15), or from TRL >= 1.10's normalisers, refused on older
         TRL naming the field: TRL 1.9 computes the entropies and the router loss inside ``_compute_loss``, out of reach."""
         name = type(self).__name__
         if self._entropy_bonus_enabled:
             refuse_before(
-                TRL_FUSED_LM_HEAD, f"{name}'s entropy bonus (`entropy_coef` / `use_adaptive_entropy`)",
+                TRL_FUSED_LM_HEAD,
+                f"{name}'s entropy bonus (`entropy_coef` / `use_adaptive_entropy`)",
                 "hf_gradacc reads the per-token entropies from the outputs of TRL's fused LM head to keep the bonus as its "
                 "own term over the step's tokens, and older TRL computes them from the logits inside its loss",
                 "Set `entropy_coef=0.0` and `use_adaptive_entropy=False`",
-            )  # fmt: skip
+            )
         if self.aux_loss_enabled:
             refuse_before(
-                TRL_FUSED_LM_HEAD, f"{name} with a mixture-of-experts router loss (`router_aux_loss_coef`)",
+                TRL_FUSED_LM_HEAD,
+                f"{name} with a mixture-of-experts router loss (`router_aux_loss_coef`)",
                 "hf_gradacc reads the router loss from the outputs of TRL's fused LM head to weight it by routed tokens, "
                 "and older TRL computes it inside its loss",
                 "Set `router_aux_loss_coef=0.0`",
-            )  # fmt: skip
+            )
         exact_luspo = (
             self.importance_sampling_level == "sequence"
             and self.beta == 0.0
@@ -286,12 +285,13 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
         )
         if self.loss_type == "luspo" and not exact_luspo:
             refuse_before(
-                TRL_GRPO_STEP_NORMALISED, f'{name} with `loss_type="luspo"` and a per-token loss',
+                TRL_GRPO_STEP_NORMALISED,
+                f'{name} with `loss_type="luspo"` and a per-token loss',
                 "TRL 1.9's luspo averages the per-token loss times each sequence's length over every position of the "
                 "micro-batch, padding included, so the step depends on how completions are padded together",
                 'Use `importance_sampling_level="sequence"` with `beta=0.0` (the LUSPO paper\'s setup), or another '
                 "`loss_type`",
-            )  # fmt: skip
+            )
 
 
 def _grpo_loss_mask(inputs: Mapping[str, Any]) -> torch.Tensor:

@@ -213,8 +213,10 @@ def bench_command(args: argparse.Namespace) -> int:
         )
         return 2
     if args.repeats < 1 or settings.num_steps < 1:
-        print(f"hf-gradacc bench: --repeats ({args.repeats}) and --steps ({settings.num_steps}) must be >= 1",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"hf-gradacc bench: --repeats ({args.repeats}) and --steps ({settings.num_steps}) must be >= 1",
+            file=sys.stderr,
+        )
         return 2
     import transformers
 
@@ -247,7 +249,7 @@ def bench_command(args: argparse.Namespace) -> int:
                         **{name: asdict(spread) for name, spread in s.ratios.items()},
                     }
                     for s in summarize(repeats)
-                ],  # fmt: skip
+                ],
             }
             with open(args.json, "w") as f:
                 json.dump(payload, f, indent=1)

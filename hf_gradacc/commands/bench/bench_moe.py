@@ -48,8 +48,13 @@ def build_bench_moe_model(dims: dict[str, Any]) -> torch.nn.Module:
     off."""
     import transformers as tf
 
-    config = tf.MixtralConfig(**dims, num_local_experts=NUM_EXPERTS, num_experts_per_tok=2,
-                              router_aux_loss_coef=ROUTER_AUX_LOSS_COEF, output_router_logits=True)  # fmt: skip
+    config = tf.MixtralConfig(
+        **dims,
+        num_local_experts=NUM_EXPERTS,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=ROUTER_AUX_LOSS_COEF,
+        output_router_logits=True,
+    )
     return tf.MixtralForCausalLM(config)
 
 

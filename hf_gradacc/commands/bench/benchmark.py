@@ -66,8 +66,15 @@ logger = logging.getLogger(__name__)
 DATASETS: tuple[str, ...] = ("equal", "long_tailed", "completion_only")
 QWEN_VOCAB_SIZE = 151_936  # the vocabulary of the Qwen2 / Qwen2.5 / Qwen3 models: where the LM head dominates memory
 TRAINERS: tuple[str, ...] = (
-    "stock", "stock_group_by_length", "stock_batch_rebalance", "stock_flatten", "plain", "regroup", "budget", "pack",
-)  # fmt: skip
+    "stock",
+    "stock_group_by_length",
+    "stock_batch_rebalance",
+    "stock_flatten",
+    "plain",
+    "regroup",
+    "budget",
+    "pack",
+)
 _TRAINER_LABELS = {
     "stock": "Trainer (stock)",
     "stock_group_by_length": "Trainer, group_by_length",
@@ -87,7 +94,16 @@ _TRAINER_LABELS = {
 # not in the default set yet. ``stock_liger``: the stock Trainer with ``use_liger_kernel=True`` (Liger-Kernel's
 # Triton kernels, its fused linear cross-entropy among them: a GPU and the ``liger-kernel`` package). The ``moe``
 # rows (router_balance, hf_gradacc.commands.bench.bench_moe) make every row of their run train a tiny Mixtral.
-ALL_TRAINERS: tuple[str, ...] = (*TRAINERS, "fused", "budget_fused", "pack_fused", "stock_liger", *bench_moe.MOE_TRAINERS)
+ALL_TRAINERS: tuple[str, ...] = (
+    *TRAINERS,
+    "fused",
+    "budget_fused",
+    "pack_fused",
+    "stock_liger",
+    *bench_moe.MOE_TRAINERS,
+)
+
+
 def describe_trainers() -> str:
     """What ``hf-gradacc bench`` compares, from the rows' labels: one source for its help and the top-level help."""
     stock = [_TRAINER_LABELS[n].split(", ", 1)[1] for n in ALL_TRAINERS if n.startswith("stock_")]

@@ -198,9 +198,12 @@ def check_command_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _runs_every_head(opts: argparse.Namespace) -> bool:
     """The default run: nothing names one model, scenario, trainer pair or plot."""
     return (
-        opts.task is None and opts.model is None and opts.scenario == "default" and opts.trainer == "trainer"
+        opts.task is None
+        and opts.model is None
+        and opts.scenario == "default"
+        and opts.trainer == "trainer"
         and not opts.plot
-    )  # fmt: skip
+    )
 
 
 def _error(message: Any) -> None:
@@ -242,7 +245,14 @@ def _world(step_kwargs: dict[str, Any]) -> tuple[int, bool] | None:
 
 
 def _trainer_pair(
-    model: Any, task: str, samples: list, collator: Any, step_kwargs: dict[str, Any], *, scenario: str, verbose: bool,
+    model: Any,
+    task: str,
+    samples: list,
+    collator: Any,
+    step_kwargs: dict[str, Any],
+    *,
+    scenario: str,
+    verbose: bool,
     distributed_config: dict[str, int] | None = None,
 ) -> tuple[dict[str, Any], Any, dict[str, float]]:
     """ONE step of GradAccTrainer, then of the stock Trainer: their comparisons by name (stock first), GradAccTrainer
@@ -262,8 +272,9 @@ def _trainer_pair(
     if distributed_config:
         from .mesh_rows import sharded_trainer_pair
 
-        results, ours, logs = sharded_trainer_pair(model, task, samples, collator, step_kwargs, distributed_config,
-                                                   trainer_classes=classes, verbose=verbose)  # fmt: skip
+        results, ours, logs = sharded_trainer_pair(
+            model, task, samples, collator, step_kwargs, distributed_config, trainer_classes=classes, verbose=verbose
+        )
         return {"Trainer": results["Trainer"], "GradAccTrainer": results["GradAccTrainer"]}, ours, logs
     results: dict[str, Any] = {}
     ours, logs = None, {}
@@ -271,9 +282,13 @@ def _trainer_pair(
         micro_batches: list = []
         with _quiet_stdout(verbose):
             update, trainer = one_step_update(
-                trainer_class, model, samples, one_step_args(**step_kwargs), data_collator=collator,
+                trainer_class,
+                model,
+                samples,
+                one_step_args(**step_kwargs),
+                data_collator=collator,
                 micro_batches=micro_batches,
-            )  # fmt: skip
+            )
         results[name] = compare_with_reference(
             update, model, samples, task, data_collator=collator, micro_batches=micro_batches
         )
@@ -283,8 +298,16 @@ def _trainer_pair(
     return {"Trainer": results["Trainer"], "GradAccTrainer": results["GradAccTrainer"]}, ours, logs
 
 
-def _setup(opts: argparse.Namespace, *, task: str, model_name: str, model: Any, trainer: Any, world_size: int,
-           num_samples: int) -> Any:  # fmt: skip
+def _setup(
+    opts: argparse.Namespace,
+    *,
+    task: str,
+    model_name: str,
+    model: Any,
+    trainer: Any,
+    world_size: int,
+    num_samples: int,
+) -> Any:
     from ...backends.mesh import mesh_from_accelerator
     from .report import Setup, versions
 
@@ -373,9 +396,15 @@ def _check_every_head(opts: argparse.Namespace) -> int:
         collator = mesh_collator(PaddingCollator(pad_token_id=loaded.pad_token_id), samples)  # SP: one width
         try:
             results, trainer, _ = _trainer_pair(
-                loaded.model, loaded.task, samples, collator, step_kwargs,
-                scenario=case.scenario, verbose=opts.verbose, distributed_config=opts.distributed_config,
-            )  # fmt: skip
+                loaded.model,
+                loaded.task,
+                samples,
+                collator,
+                step_kwargs,
+                scenario=case.scenario,
+                verbose=opts.verbose,
+                distributed_config=opts.distributed_config,
+            )
         except (GradAccConfigError, UnsupportedBackendError, NotImplementedError) as exc:
             # A head this backend cannot take (a model FSDP2 cannot wrap: hf_gradacc's error for BERT, accelerate's
             # NotImplementedError for ConvNeXt, raised alike on every rank before any collective): the other heads
@@ -389,8 +418,15 @@ def _check_every_head(opts: argparse.Namespace) -> int:
             return EXIT_NOT_EXACT  # GradAccTrainer's step failed on the data or the loss: no update to call exact
         rows.append(replace(row, stock=results["Trainer"], ours=results["GradAccTrainer"]))
         if setup is None:
-            setup = _setup(opts, task="every built-in head", model_name="built-in tiny models", model=loaded.model,
-                           trainer=trainer, world_size=world_size, num_samples=num_samples)  # fmt: skip
+            setup = _setup(
+                opts,
+                task="every built-in head",
+                model_name="built-in tiny models",
+                model=loaded.model,
+                trainer=trainer,
+                world_size=world_size,
+                num_samples=num_samples,
+            )
     if setup is None:
         if is_main:
             _error(
@@ -416,8 +452,14 @@ def _check_every_head(opts: argparse.Namespace) -> int:
                 for r in rows
             }
             setup_json = {k: v for k, v in asdict(setup).items() if k not in ("model_class", "num_parameters")}
-            payload = {"command": "check", "setup": setup_json, "tolerance": opts.tolerance, "heads": heads,
-                       "is_exact": is_exact, "summary": summary}  # fmt: skip
+            payload = {
+                "command": "check",
+                "setup": setup_json,
+                "tolerance": opts.tolerance,
+                "heads": heads,
+                "is_exact": is_exact,
+                "summary": summary,
+            }
             _write_json(opts.json, payload)
         print(f"\n{summary}")
     finish_command()
@@ -468,11 +510,18 @@ def _check_one(opts: argparse.Namespace) -> int:
                 from .moe_rows import GLOBAL_NAME, moe_global_results
 
                 names = (GLOBAL_NAME, "Trainer")
-                results, trainer, router_logs = moe_global_results(model, samples, collator, step_kwargs,
-                                                                   verbose=opts.verbose)  # fmt: skip
+                results, trainer, router_logs = moe_global_results(
+                    model, samples, collator, step_kwargs, verbose=opts.verbose
+                )
             else:
                 results, trainer, router_logs = _trainer_pair(
-                    model, task, samples, collator, step_kwargs, scenario=opts.scenario, verbose=opts.verbose,
+                    model,
+                    task,
+                    samples,
+                    collator,
+                    step_kwargs,
+                    scenario=opts.scenario,
+                    verbose=opts.verbose,
                     distributed_config=opts.distributed_config,
                 )
         else:
@@ -490,8 +539,15 @@ def _check_one(opts: argparse.Namespace) -> int:
         # A setting to change is a usage error; a failed step (data, loss) means GradAccTrainer gave no update.
         return EXIT_USAGE if isinstance(exc, (GradAccConfigError, UnsupportedBackendError)) else EXIT_NOT_EXACT
 
-    setup = _setup(opts, task=task, model_name=model_name, model=model, trainer=trainer, world_size=world_size,
-                   num_samples=num_samples)  # fmt: skip
+    setup = _setup(
+        opts,
+        task=task,
+        model_name=model_name,
+        model=model,
+        trainer=trainer,
+        world_size=world_size,
+        num_samples=num_samples,
+    )
     ours, stock = results[names[0]], results[names[1]]
     is_exact = ours.is_exact(opts.tolerance)
     summary = report.summary_line(ours, stock, opts.tolerance, names=names)
@@ -514,8 +570,14 @@ def _check_one(opts: argparse.Namespace) -> int:
         _plot(opts, model, task, model_name, collator, step_kwargs, world_size, is_main, stock) if opts.plot else None
     )
     if is_main and opts.json:
-        payload = {"command": "check", "setup": asdict(setup), "tolerance": opts.tolerance,
-                   "results": _comparisons_json(results, opts.tolerance), "is_exact": is_exact, "summary": summary}  # fmt: skip
+        payload = {
+            "command": "check",
+            "setup": asdict(setup),
+            "tolerance": opts.tolerance,
+            "results": _comparisons_json(results, opts.tolerance),
+            "is_exact": is_exact,
+            "summary": summary,
+        }
         if curves is not None:
             payload["loss_curves"] = curves
         _write_json(opts.json, payload)

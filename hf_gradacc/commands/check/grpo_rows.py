@@ -140,19 +140,32 @@ def grpo_run(
 
     gas = gradient_accumulation_steps
     settings = dict(
-        per_device_train_batch_size=per_device_train_batch_size, gradient_accumulation_steps=gas, seed=seed,
-        max_steps=NUM_STEPS, steps_per_generation=2 * gas, num_iterations=NUM_ITERATIONS,
-        num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION_LENGTH, beta=0.0, bf16=False,
-        mask_truncated_completions=True, loss_type=loss_type, **LOSS_CONFIG.get(loss_type, {}),
-    )  # fmt: skip
+        per_device_train_batch_size=per_device_train_batch_size,
+        gradient_accumulation_steps=gas,
+        seed=seed,
+        max_steps=NUM_STEPS,
+        steps_per_generation=2 * gas,
+        num_iterations=NUM_ITERATIONS,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        beta=0.0,
+        bf16=False,
+        mask_truncated_completions=True,
+        loss_type=loss_type,
+        **LOSS_CONFIG.get(loss_type, {}),
+    )
     settings.update(step_kwargs)
     settings.update(config)
     args = one_step_args(args_class=config_class, **settings)
     recording = type(f"Recording{trainer_class.__name__}", (GRPOPolicyRecorder, trainer_class), {})
     num_prompts = per_device_train_batch_size * settings["steps_per_generation"] * world_size // NUM_GENERATIONS
-    trainer = recording(model=copy.deepcopy(policy), reward_funcs=length_reward, args=args,
-                        train_dataset=grpo_prompts(max(num_prompts, 8), seed=seed + 3),
-                        processing_class=grpo_tokenizer())  # fmt: skip
+    trainer = recording(
+        model=copy.deepcopy(policy),
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=grpo_prompts(max(num_prompts, 8), seed=seed + 3),
+        processing_class=grpo_tokenizer(),
+    )
     trainer.train()
     steps = [(record.step, _all_ranks(record.micro_batches)) for record in trainer.recorded_steps]
     return trainer, step_updates(trainer.policies_at_step), steps
@@ -176,9 +189,13 @@ def grpo_loss_type_rows(
     from ...testing.reference import compare
 
     policy = build_tiny_policy(seed)
-    common = dict(per_device_train_batch_size=per_device_train_batch_size,
-                  gradient_accumulation_steps=gradient_accumulation_steps, seed=seed,
-                  step_kwargs=dict(step_kwargs or {}), world_size=world_size)  # fmt: skip
+    common = dict(
+        per_device_train_batch_size=per_device_train_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        seed=seed,
+        step_kwargs=dict(step_kwargs or {}),
+        world_size=world_size,
+    )
     rows, ours_trainer, completions, lengths = [], None, 0, ()
     for loss_type in loss_types:
         worst: dict[str, Any] = {}
@@ -214,8 +231,11 @@ def grpo_loss_type_rows(
                 else:
                     outside = (ratios < 1 - settings.epsilon_low) | (ratios > 1 + settings.epsilon_high)
                 clipped = float(outside.double().mean()) if ratios.numel() else 0.0
-        rows.append(GRPORow(loss_type, worst["stock"], worst["ours"], errors["stock"], errors["ours"], clipped,
-                            per_micro_batch))  # fmt: skip
+        rows.append(
+            GRPORow(
+                loss_type, worst["stock"], worst["ours"], errors["stock"], errors["ours"], clipped, per_micro_batch
+            )
+        )
     note = (
         f"{NUM_STEPS} steps of {completions} completions each ({NUM_GENERATIONS} per prompt, "
         f"{min(lengths, default=0)} to {max(lengths, default=0)} tokens in the loss, truncated ones masked), "
@@ -262,13 +282,16 @@ def format_grpo_report(setup_lines: Sequence[str], check: GRPOCheck, tolerance: 
     lines += ["", _fill(note)]
     bnpo = next((r for r in check.rows if r.stock_to_per_micro_batch is not None), None)
     if bnpo is not None:
-        lines += ["", _fill(
-            "(*) bnpo is defined on the split: TRL's docstring normalises it \"over the local batch only\" (one "
-            "micro-batch of one process). GradAccGRPOTrainer takes the whole step, over every process, as that batch "
-            f"(then bnpo is dapo). Stock TRL against the definition taken per micro-batch: "
-            f"{bnpo.stock_to_per_micro_batch:.1e} "
-            f"({'exact' if bnpo.stock_to_per_micro_batch <= tolerance else 'off'})."
-        )]  # fmt: skip
+        lines += [
+            "",
+            _fill(
+                '(*) bnpo is defined on the split: TRL\'s docstring normalises it "over the local batch only" (one '
+                "micro-batch of one process). GradAccGRPOTrainer takes the whole step, over every process, as that batch "
+                f"(then bnpo is dapo). Stock TRL against the definition taken per micro-batch: "
+                f"{bnpo.stock_to_per_micro_batch:.1e} "
+                f"({'exact' if bnpo.stock_to_per_micro_batch <= tolerance else 'off'})."
+            ),
+        ]
     return "\n".join(lines)
 
 
@@ -278,11 +301,15 @@ def grpo_summary_line(check: GRPOCheck, tolerance: float) -> str:
     wrong = [r for r in check.rows if not r.stock.is_exact(tolerance)]
     not_exact = [r.loss_type for r in check.rows if not r.ours.is_exact(tolerance)]
     if not_exact:
-        head = (f"hf-gradacc check: GradAccGRPOTrainer is NOT exact on {', '.join(not_exact)} "
-                f"(largest rel err {worst.ours.relative_error:.1e} > {tolerance:g})")  # fmt: skip
+        head = (
+            f"hf-gradacc check: GradAccGRPOTrainer is NOT exact on {', '.join(not_exact)} "
+            f"(largest rel err {worst.ours.relative_error:.1e} > {tolerance:g})"
+        )
     else:
-        head = (f"hf-gradacc check: GradAccGRPOTrainer is exact on all {len(check.rows)} loss types "
-                f"(largest rel err {worst.ours.relative_error:.1e} <= {tolerance:g})")  # fmt: skip
+        head = (
+            f"hf-gradacc check: GradAccGRPOTrainer is exact on all {len(check.rows)} loss types "
+            f"(largest rel err {worst.ours.relative_error:.1e} <= {tolerance:g})"
+        )
     stock = f"stock GRPOTrainer is off on {len(wrong)} of {len(check.rows)}"
     if wrong:
         stock += f" (largest {off_by(max(wrong, key=lambda r: r.stock.relative_error).stock)})"
@@ -370,18 +397,27 @@ def check_grpo(
     try:
         with contextlib.redirect_stdout(io.StringIO()) if not opts.verbose else contextlib.nullcontext():
             check = grpo_loss_type_rows(
-                loss_types, per_device_train_batch_size=opts.per_device_train_batch_size,
-                gradient_accumulation_steps=opts.gradient_accumulation_steps, seed=opts.seed,
-                step_kwargs=launch, world_size=world_size,
-            )  # fmt: skip
+                loss_types,
+                per_device_train_batch_size=opts.per_device_train_batch_size,
+                gradient_accumulation_steps=opts.gradient_accumulation_steps,
+                seed=opts.seed,
+                step_kwargs=launch,
+                world_size=world_size,
+            )
     except GradAccError as exc:
         if is_main:
             _error(exc)
         return EXIT_USAGE if isinstance(exc, (GradAccConfigError, UnsupportedBackendError)) else EXIT_NOT_EXACT
     trainer = check.trainer
-    described = setup(opts, task="grpo (TRL GRPOTrainer), every loss type", model_name="built-in tiny policy",
-                   model=trainer.model, trainer=trainer, world_size=world_size,
-                   num_samples=check.completions_per_step)  # fmt: skip
+    described = setup(
+        opts,
+        task="grpo (TRL GRPOTrainer), every loss type",
+        model_name="built-in tiny policy",
+        model=trainer.model,
+        trainer=trainer,
+        world_size=world_size,
+        num_samples=check.completions_per_step,
+    )
     is_exact = grpo_exact(check, opts.tolerance)
     summary = grpo_summary_line(check, opts.tolerance)
     if is_main:
@@ -393,15 +429,23 @@ def check_grpo(
                         name: {**asdict(c), "is_exact": c.is_exact(opts.tolerance)}
                         for name, c in (("GRPOTrainer", r.stock), ("GradAccGRPOTrainer", r.ours))
                     },
-                    "relative_error_per_step": {"GRPOTrainer": list(r.stock_steps),
-                                                "GradAccGRPOTrainer": list(r.ours_steps)},
+                    "relative_error_per_step": {
+                        "GRPOTrainer": list(r.stock_steps),
+                        "GradAccGRPOTrainer": list(r.ours_steps),
+                    },
                     "clipped_token_fraction": r.clipped_fraction,
                     "stock_vs_per_micro_batch_definition": r.stock_to_per_micro_batch,
                 }
                 for r in check.rows
-            }  # fmt: skip
-            payload = {"command": "check", "setup": asdict(described), "tolerance": opts.tolerance, "loss_types": rows,
-                       "is_exact": is_exact, "summary": summary}  # fmt: skip
+            }
+            payload = {
+                "command": "check",
+                "setup": asdict(described),
+                "tolerance": opts.tolerance,
+                "loss_types": rows,
+                "is_exact": is_exact,
+                "summary": summary,
+            }
             with open(opts.json, "w") as f:
                 json.dump(payload, f, indent=2)
             print(f"Wrote {opts.json}")

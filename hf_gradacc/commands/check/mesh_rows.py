@@ -88,8 +88,11 @@ def check_options(opts: argparse.Namespace, env: dict[str, str] | None = None) -
         return
     if getattr(opts, "distributed_config", None) is None:
         return
-    for flag, is_set in (("--plot", bool(opts.plot)), ("--model", opts.model is not None),
-                         (f"--trainer {opts.trainer}", opts.trainer != "trainer")):  # fmt: skip
+    for flag, is_set in (
+        ("--plot", bool(opts.plot)),
+        ("--model", opts.model is not None),
+        (f"--trainer {opts.trainer}", opts.trainer != "trainer"),
+    ):
         if is_set:
             raise GradAccConfigError(
                 f"`{flag}` is not supported with `--distributed_config` (the built-in tiny models, one step of "
@@ -140,7 +143,9 @@ def head_cases(sizes: dict[str, int] | None) -> tuple[Any, ...]:
 
     if not sizes or sizes.get("ep_size", 1) == 1:
         return HEAD_CASES
-    moe = tuple(HeadCase(key=scenario, task="causal_lm", scenario=scenario) for scenario in ("moe_mixtral", "moe_qwen3"))
+    moe = tuple(
+        HeadCase(key=scenario, task="causal_lm", scenario=scenario) for scenario in ("moe_mixtral", "moe_qwen3")
+    )
     return HEAD_CASES + moe
 
 
@@ -174,9 +179,16 @@ def _load_sharded(model_class: type, path: str, sizes: dict[str, int]) -> Any:
 
 
 def sharded_trainer_pair(
-    model: Any, task: str, samples: Sequence[dict[str, Any]], collator: Callable, step_kwargs: dict[str, Any],
-    sizes: dict[str, int], *, trainer_classes: Sequence[tuple[str, type]], verbose: bool,
-) -> tuple[dict[str, Any], Any, dict[str, float]]:  # fmt: skip
+    model: Any,
+    task: str,
+    samples: Sequence[dict[str, Any]],
+    collator: Callable,
+    step_kwargs: dict[str, Any],
+    sizes: dict[str, int],
+    *,
+    trainer_classes: Sequence[tuple[str, type]],
+    verbose: bool,
+) -> tuple[dict[str, Any], Any, dict[str, float]]:
     """ONE step of each trainer on ``model`` sharded by ``DistributedConfig(**sizes)``: their comparisons with the
     float64 full batch of ``samples`` by name, the first trainer, and its first log's loss entries.
 
@@ -204,15 +216,20 @@ def sharded_trainer_pair(
         sharded = _load_sharded(type(model), folder, sizes)
         initial = {n: _full(p) for n, p in sharded.named_parameters() if p.requires_grad}
         recorder = _Recorder(collator, samples)
-        trainer = trainer_class(model=sharded, args=one_step_args(**step_kwargs), train_dataset=ListDataset(samples),
-                                data_collator=recorder)  # fmt: skip
+        trainer = trainer_class(
+            model=sharded,
+            args=one_step_args(**step_kwargs),
+            train_dataset=ListDataset(samples),
+            data_collator=recorder,
+        )
         with contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO()):
             trainer.train()
         update = {n: initial[n] - _full(p).float() for n, p in trainer.model.named_parameters() if n in initial}
         # the tensor / expert ranks ran copies of the data ranks' micro-batches: each once for the router term
         unique = list({repr([_key(s) for s in mb]): mb for mb in recorder.all_ranks()}.values())
-        results[name] = compare_with_reference(update, model, samples, task, data_collator=collator,
-                                               micro_batches=unique)  # fmt: skip
+        results[name] = compare_with_reference(
+            update, model, samples, task, data_collator=collator, micro_batches=unique
+        )
         if first is None:
             first = trainer
             logs = {k: v for k, v in trainer.state.log_history[0].items() if k.startswith("loss")}

@@ -38,15 +38,26 @@ def moe_global_results(
     results: dict[str, Any] = {}
     ours, logs = None, {}
     router = [n for n in reference if n.endswith("gate.weight")]
-    for name, trainer_class, balance in ((GLOBAL_NAME, GradAccTrainer, "global_batch"),
-                                         (MICRO_NAME, GradAccTrainer, "micro_batch"), (STOCK_NAME, Trainer, None)):  # fmt: skip
+    for name, trainer_class, balance in (
+        (GLOBAL_NAME, GradAccTrainer, "global_batch"),
+        (MICRO_NAME, GradAccTrainer, "micro_batch"),
+        (STOCK_NAME, Trainer, None),
+    ):
         extra = {"gradacc_args": {"router_balance": balance}} if balance else {}
         out = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
         with out:
-            update, trainer = one_step_update(trainer_class, model, samples, one_step_args(**step_kwargs),
-                                              data_collator=collator, trainer_kwargs=extra)  # fmt: skip
+            update, trainer = one_step_update(
+                trainer_class,
+                model,
+                samples,
+                one_step_args(**step_kwargs),
+                data_collator=collator,
+                trainer_kwargs=extra,
+            )
         results[name] = compare(update, reference)
-        logs[f"router/{name}"] = compare({n: update[n] for n in router}, {n: reference[n] for n in router}).relative_error
+        logs[f"router/{name}"] = compare(
+            {n: update[n] for n in router}, {n: reference[n] for n in router}
+        ).relative_error
         ours = ours or trainer
     return results, ours, logs
 

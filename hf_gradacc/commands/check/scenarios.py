@@ -52,7 +52,14 @@ _ARCHITECTURE_SUFFIXES: tuple[tuple[str, str], ...] = (
 )
 _SEQUENCE_HEADS = ("sequence_classification", "regression", "multi_label_classification")
 MAX_SAMPLE_LENGTH = 40
-SCENARIOS: tuple[str, ...] = ("default", "no_loss_kwargs", "plain_compute_loss", "moe_mixtral", "moe_qwen3", "moe_global")
+SCENARIOS: tuple[str, ...] = (
+    "default",
+    "no_loss_kwargs",
+    "plain_compute_loss",
+    "moe_mixtral",
+    "moe_qwen3",
+    "moe_global",
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -125,8 +125,10 @@ def more_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size
         dataset = more.kto_dataset(rows)
         config = {"beta": KTO_BETA, "train_sampling_strategy": "sequential"}
         extra = {"ref_model": ref_model}
-        what = (f"unpaired samples (beta {KTO_BETA}, a freshly initialised reference model; the KL estimate over "
-                "every mismatched pair of the step)")  # fmt: skip
+        what = (
+            f"unpaired samples (beta {KTO_BETA}, a freshly initialised reference model; the KL estimate over "
+            "every mismatched pair of the step)"
+        )
     elif kind == "rloo":
         config = {"num_generations": 2, "max_completion_length": 8, "beta": 0.0, "steps_per_generation": gas}
         extra = {"reward_funcs": length_reward}
@@ -149,8 +151,9 @@ def more_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size
             trainer_class = type(f"Recording{trainer_class.__name__}", (more.CompletionRecorder, trainer_class), {})
         args = one_step_args(args_class=config_class, bf16=False, **step_kwargs, **config)
         kwargs = {k: copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v for k, v in extra.items()}
-        update, trainer = _one_update(trainer_class, model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                 **kwargs)  # fmt: skip
+        update, trainer = _one_update(
+            trainer_class, model, args=args, train_dataset=dataset, processing_class=tokenizer, **kwargs
+        )
         # Each run's own completions (on-policy): compared with the reference over them.
         reference = _reference(kind, model, trainer, extra, rows if not on_policy else None, bs, _all_ranks)
         updates[f"{prefix}{name}Trainer"] = compare(update, reference.grads)
@@ -158,8 +161,10 @@ def more_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size
     if on_policy:
         num_samples = len(more.recorded_completions(_all_ranks(ours.recorded_micro_batches)))
         size = sum(p.numel() for p in model.parameters())
-        note = (f"{num_samples} {what} (not the model above: a {size:,}-parameter Llama over 8 words); micro-batches "
-                f"of {bs} per process")  # fmt: skip
+        note = (
+            f"{num_samples} {what} (not the model above: a {size:,}-parameter Llama over 8 words); micro-batches "
+            f"of {bs} per process"
+        )
     else:
         num_samples = sum(layout)
         note = f"{num_samples} {what}; micro-batches of {', '.join(str(s) for s in layout[::world_size])} per process"

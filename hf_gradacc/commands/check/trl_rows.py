@@ -108,8 +108,13 @@ def trl_one_step(kind: str, model: Any, step_kwargs: dict[str, Any], world_size:
         extra = {"ref_model": copy.deepcopy(model)} if kind == "dpo" else {}
         policy = copy.deepcopy(model)
         initial = {n: p.detach().clone().cpu() for n, p in policy.named_parameters() if p.requires_grad}
-        trainer = trainer_class(model=policy, args=args, train_dataset=dataset,
-                                processing_class=trl_steps.word_tokenizer(vocab_size), **extra)  # fmt: skip
+        trainer = trainer_class(
+            model=policy,
+            args=args,
+            train_dataset=dataset,
+            processing_class=trl_steps.word_tokenizer(vocab_size),
+            **extra,
+        )
         trainer.train()
         final = full_parameters(trainer)
         updates[f"{prefix}{name}Trainer"] = {n: initial[n] - final[n].float() for n in initial}
