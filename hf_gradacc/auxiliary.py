@@ -111,7 +111,8 @@ def _router_losses(model: nn.Module, outputs: Any) -> list[tuple[str, torch.Tens
         coef = aux_coefficient(model, coefficient_names)
         if coef is None:
             raise GradAccLossError(
-                f"The model returned `{key}` but has no `{coefficient_names[0]}` to weight it with, so its share of the "
+                f"The model returned `{key}` but has no `{coefficient_names[0]}` to weight it with, so its share of "
+                "the "
                 "loss is unknown. Override `compute_loss` and return the terms as hf_gradacc.LossTerms, or turn "
                 "`output_router_logits` off."
             )

@@ -183,7 +183,8 @@ def _fused_loss(
     ignore = head.ignore_index
     if LABEL_KEY in inputs:  # a seq2seq model that builds its decoder inputs from the labels would compute its loss
         raise GradAccConfigError(
-            f"`fused_lm_head=True` cannot run here: {type(unwrap_model(model)).__name__} builds its decoder inputs from "
+            f"`fused_lm_head=True` cannot run here: {type(unwrap_model(model)).__name__} builds its decoder inputs "
+            "from "
             "the labels (no `prepare_decoder_input_ids_from_labels`), so it would also compute a loss of its own. "
             "Pass `decoder_input_ids` in the batch, or set `fused_lm_head=False`."
         )
@@ -191,7 +192,8 @@ def _fused_loss(
         targets = (shift_labels if shift_labels is not None else causal_targets(labels.long(), ignore)).long()
     else:  # seq2seq (decoder positions) and masked LM: position i predicts labels[i]
         targets = labels.long()
-    # the Trainer's label smoothing per tile; the start-up row check compares without it (the model's own loss has none)
+    # the Trainer's label smoothing per tile; the start-up row check compares without it (the model's own loss has
+    # none)
     result = fused_causal_lm_sum(model, inputs, targets, ignore_index=ignore, label_smoothing=head.label_smoothing)
     if check:  # every rank runs it (its forwards gather sharded weights) and every rank stops if one rank's fails
         causal = head.type == "causal_lm"  # the check's row cut to its first targets: fewer full logits

@@ -4,9 +4,10 @@ readable.
 `Trainer._save_checkpoint` writes the model, the optimizer, the scheduler and one RNG state per rank (each rank its
 own), then ``trainer_state.json`` from the main process, with no barrier in between. A run killed while saving can
 leave a ``checkpoint-N`` folder whose ``trainer_state.json`` parses while another rank's ``rng_state_1.pth`` is
-missing, or whose ``model.safetensors`` / ``optimizer.pt`` is truncated; `transformers.trainer_utils.get_last_checkpoint`
-still picks it (the highest N). The stock resume then fails deep inside loading with a raw safetensors / zip error, or
-resumes silently with fresh optimizer moments (it loads ``optimizer.pt`` only when the file is there).
+missing, or whose ``model.safetensors`` / ``optimizer.pt`` is truncated;
+`transformers.trainer_utils.get_last_checkpoint` still picks it (the highest N). The stock resume then fails deep
+inside loading with a raw safetensors / zip error, or resumes silently with fresh optimizer moments (it loads
+``optimizer.pt`` only when the file is there).
 
 hf_gradacc brackets each save with two markers (:func:`checkpoint_save`): ``hf_gradacc_saving`` first, then, after
 every rank saved (a barrier), ``hf_gradacc_complete.json`` LAST, listing every file of the folder with its size.
@@ -749,11 +750,13 @@ def _restore(model: torch.nn.Module, saved: dict[str, Callable[[], torch.Tensor]
         + (f"{len(missing)} of its tensors are not in it ({_names(missing)})" if missing else "")
         + ("; " if missing and untaken else "")
         + (f"{len(untaken)} saved tensors go to no tensor of the model ({_names(untaken)})" if untaken else "")
-        + f"{failure}. The Trainer of transformers {transformers.__version__} (the checkpoint was saved by {saved_by}) "
+        + f"{failure}. The Trainer of transformers {transformers.__version__} (the checkpoint was saved by "
+        f"{saved_by}) "
         "loads the weights by name, and the conversion mapping `from_pretrained` converts saved names with does not "
         "turn these into the model's; resumed, the tensors left out would train on from the values they had before "
         f"the resume, silently. Resume with a transformers version whose conversion mapping covers "
-        f"{getattr(model.config, 'model_type', name)!r} (the one that saved the checkpoint, if another), or start a new "
+        f"{getattr(model.config, 'model_type', name)!r} (the one that saved the checkpoint, if another), or start a "
+        "new "
         f"run from its weights, `{name}.from_pretrained({folder!r})`, without `resume_from_checkpoint` (the "
         "optimizer's moments and the schedule then start afresh)."
     )

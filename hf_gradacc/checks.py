@@ -73,7 +73,8 @@ class LossCheck:
             )
         if self.code == UNNORMALISED_SUM:
             return (
-                f"compute_loss returned {self.ours:.6g} ({where}), the micro-batch's mean loss ({self.model:.6g}) times "
+                f"compute_loss returned {self.ours:.6g} ({where}), the micro-batch's mean loss ({self.model:.6g}) "
+                "times "
                 f"its {self.ratio:.0f} counted items: an unnormalised SUM. hf_gradacc reads a plain tensor as the "
                 f"micro-batch's MEAN and would train a gradient ~{self.ratio:.0f}x too large. Divide the sum by "
                 "`num_items_in_batch` (hf_gradacc passes this micro-batch's count), or return "
@@ -87,7 +88,8 @@ class LossCheck:
             "processes",
         }[self.code]
         return (
-            f"compute_loss returned {self.ours:.6g} ({where}), the micro-batch's mean loss ({self.model:.6g}) {factor}: "
+            f"compute_loss returned {self.ours:.6g} ({where}), the micro-batch's mean loss ({self.model:.6g}) "
+            f"{factor}: "
             "it was already normalised for accumulation (for example by TRL's SFTTrainer placed before the mixin in "
             "the bases), and hf_gradacc would weight it again. Put GradAccMixin FIRST in the bases (for TRL: use "
             "hf_gradacc.trl's GradAccSFTTrainer, GradAccDPOTrainer or GradAccRewardTrainer, which keep TRL's loss "

@@ -279,7 +279,8 @@ def is_supported(package: str, version: str) -> bool:
 def accelerate_shards_variable_batches() -> bool:
     """Whether accelerate's ``BatchSamplerShard`` takes a batch sampler WITHOUT a fixed ``batch_size`` (hf_gradacc's
     regrouping and packing samplers) when ``even_batches=True``. Newer accelerate does (it circles back whole
-    batches); older releases (1.11 to 1.13 at least) raise "You need to use `even_batches=False`" in its constructor."""
+    batches); older releases (1.11 to 1.13 at least) raise "You need to use `even_batches=False`" in its
+    constructor."""
     from accelerate.data_loader import BatchSamplerShard
 
     class _VariableBatches:

@@ -104,9 +104,10 @@ class GradAccArguments:
     defer_normalization: bool = field(
         default=False,
         metadata={
-            "help": "Do not prefetch the optimizer step's micro-batches (streaming data, large inputs): back-propagate "
-            "summed losses as the micro-batches arrive and scale the reduced gradient once by the global count "
-            "before clipping and the step. Exact; single process and DDP. Allows LossTerms with custom counts."
+            "help": "Do not prefetch the optimizer step's micro-batches (streaming data, large inputs): "
+            "back-propagate summed losses as the micro-batches arrive and scale the reduced gradient once by the "
+            "global count before clipping and the step. Exact; single process and DDP. Allows LossTerms with custom "
+            "counts."
         },
     )
     zero_reduction: str = field(

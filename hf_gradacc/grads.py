@@ -130,8 +130,9 @@ class GradAccess:
         Before the final backward pass the gradient is in a different state on each backend (see
         :class:`RunningGradNorm`): ``reduced`` says whether it was already averaged over the ranks. Where it was
         (sharded backends that reduce every micro-batch) this is a collective, one small all-reduce (one float on
-        DeepSpeed, one per parameter on FSDP2): call it on every rank. Elsewhere no communication. Backends whose running gradient cannot be read
-        raise :class:`~hf_gradacc.UnsupportedBackendError` on every rank alike (:meth:`Backend.running_grad_sq_norm`).
+        DeepSpeed, one per parameter on FSDP2): call it on every rank. Elsewhere no communication. Backends whose
+        running gradient cannot be read raise :class:`~hf_gradacc.UnsupportedBackendError` on every rank alike
+        (:meth:`Backend.running_grad_sq_norm`).
 
         Example:
             ```python

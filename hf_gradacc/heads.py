@@ -164,7 +164,8 @@ class Head:
         label_smoothing: float = 0.0,
         custom_loss: bool = False,
     ) -> Head:
-        """The rule of ``model``. With ``custom_loss`` (an overridden ``compute_loss``) an unknown family is allowed."""
+        """The rule of ``model``. With ``custom_loss`` (an overridden ``compute_loss``) an unknown family is
+        allowed."""
         if custom_loss:
             head = detect_head_type(model) if requested == "auto" else resolve_head_type(model, requested)
         else:
@@ -276,7 +277,8 @@ class Head:
         info = torch.iinfo(labels.dtype)
         largest = None if self.num_classes is None else self.num_classes - 1
         if self.ignore_index < info.min or self.ignore_index > info.max:
-            why = f"cannot hold `ignore_index` ({self.ignore_index}): it wraps to {self.ignore_index % (info.max + 1 - info.min)}"
+            wrapped = self.ignore_index % (info.max + 1 - info.min)
+            why = f"cannot hold `ignore_index` ({self.ignore_index}): it wraps to {wrapped}"
         elif largest is not None and largest > info.max:
             why = f"cannot hold the class ids up to {largest}: larger ids wrapped when the labels were built"
         else:

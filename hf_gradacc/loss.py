@@ -55,9 +55,9 @@ class LossTerm:
         normalize_by: ``"tokens"`` (labels that are not ``ignore_index``, after the causal shift for
             causal LMs), ``"samples"`` (rows of the micro-batch with a label), ``"input_tokens"`` (input positions
             the model attends to: ``attention_mask == 1``, every position without a mask), ``"weights"`` (the sum of
-            the batch's ``loss_weights`` over its counted targets, see :mod:`hf_gradacc.weights`), or this micro-batch's
-            own count (a finite, non-negative whole number: an int or a one-value tensor), which the trainer sums
-            over the window and all ranks — a count only known after the forward pass needs
+            the batch's ``loss_weights`` over its counted targets, see :mod:`hf_gradacc.weights`), or this
+            micro-batch's own count (a finite, non-negative whole number: an int or a one-value tensor), which the
+            trainer sums over the window and all ranks — a count only known after the forward pass needs
             ``GradAccConfig(defer_normalization=True)``.
 
     Example:
@@ -231,7 +231,8 @@ def bool_labels_problem(key: str, head_type: str, problem_type: str | None, shap
     """Why boolean ``labels`` cannot train this head, or None (regression: 0.0 / 1.0 targets, as the stock Trainer's
     ``MSELoss`` takes them). The stock losses refuse them everywhere else with a raw torch error (cross-entropy:
     "expected target dtype to be Long or Byte"; binary cross-entropy: "Subtraction ... with two bool tensors"; an
-    inferred problem type: multi-label, a shape error for one label per row): a ``GradAccDataError`` says what to do."""
+    inferred problem type: multi-label, a shape error for one label per row): a ``GradAccDataError`` says what to
+    do."""
     if problem_type == "regression":
         return None
     kind = f"a {head_type} head" + (f" ({problem_type})" if problem_type else "")

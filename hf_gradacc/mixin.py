@@ -594,7 +594,8 @@ class GradAccMixin:
     def sum_loss_from_logits(
         self, logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The SUM-reduced loss of the trainer's head family (``self.head.sum_loss``), for ``compute_loss`` overrides."""
+        """The SUM-reduced loss of the trainer's head family (``self.head.sum_loss``), for ``compute_loss``
+        overrides."""
         return self.head.sum_loss(logits, labels, shift_labels)
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, None]:
@@ -606,8 +607,9 @@ class GradAccMixin:
     # ------------------------------------------------------------------ data
     @property
     def train_data(self) -> TrainData:
-        """The training data as hf_gradacc's data planners and callbacks take it (:class:`~hf_gradacc.data.loader.TrainData`):
-        the dataset, the collator, and the Trainer's own column handling, sampler, batch size and input preparation."""
+        """The training data as hf_gradacc's data planners and callbacks take it
+        (:class:`~hf_gradacc.data.loader.TrainData`): the dataset, the collator, and the Trainer's own column
+        handling, sampler, batch size and input preparation."""
         return TrainData(
             dataset=self.train_dataset,
             collator=self.data_collator,
@@ -651,8 +653,8 @@ class GradAccMixin:
         self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
     ):
         """`Trainer._init_training_state`; a resumed run starts from every weight its checkpoint holds
-        (:func:`~hf_gradacc.checkpoints.restore_weights`), and finds its epoch and what it already trained in it from the
-        schedule (windows differ in size) or the checkpoint's record
+        (:func:`~hf_gradacc.checkpoints.restore_weights`), and finds its epoch and what it already trained in it from
+        the schedule (windows differ in size) or the checkpoint's record
         (:meth:`RunPlan.resumed_start <hf_gradacc.step.plan.RunPlan.resumed_start>`)."""
         epochs_trained, steps_trained = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial

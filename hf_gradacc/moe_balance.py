@@ -73,8 +73,10 @@ def _flat_mask(attention_mask: Any, rows: int) -> torch.Tensor | None:
         return None
     if not torch.is_tensor(attention_mask) or attention_mask.dim() != 2 or attention_mask.numel() != rows:
         raise GradAccLossError(
-            f"router_balance='global_batch' reads the routed tokens from a 2-D `attention_mask` as the model's balance "
-            f"loss does; got {getattr(attention_mask, 'shape', type(attention_mask).__name__)} for {rows} router rows. "
+            "router_balance='global_batch' reads the routed tokens from a 2-D `attention_mask` as the model's "
+            "balance "
+            f"loss does; got {getattr(attention_mask, 'shape', type(attention_mask).__name__)} for {rows} router "
+            "rows. "
             "Pass a 2-D padding mask (or none), or set `router_balance='micro_batch'`."
         )
     return attention_mask.reshape(-1)

@@ -79,6 +79,7 @@ def packing_problem(model: torch.nn.Module) -> str | None:
 
     return (
         f"{type(unwrap_model(model)).__name__} is a vision-language model: a packed row concatenates token ids only; "
-        "its image inputs (`pixel_values`, `image_grid_thw`, `token_type_ids`, ...) and image positions are not packed. "
+        "its image inputs (`pixel_values`, `image_grid_thw`, `token_type_ids`, ...) and image positions are not "
+        "packed. "
         "Set `pack_micro_batches=False`; `regroup_micro_batches=True` (less padding, each sample whole) is exact"
     )

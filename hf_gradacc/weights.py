@@ -73,7 +73,8 @@ def _shaped_weights(
         weights = weights.reshape(rows)  # per sample
     elif sample_level:
         raise GradAccDataError(
-            f"`{LOSS_WEIGHTS_KEY}` has shape {list(weights.shape)}, but a {head or 'sample-level'} head's loss has one "
+            f"`{LOSS_WEIGHTS_KEY}` has shape {list(weights.shape)}, but a {head or 'sample-level'} head's loss has "
+            "one "
             f"target per sample (`labels` have shape {list(labels.shape)}): per-token weights cannot weigh it. Give "
             f"`{LOSS_WEIGHTS_KEY}` of shape [{rows}] (one per sample): a number per sample in the dataset."
         )
@@ -292,13 +293,15 @@ class LossWeightsCollator:
         if len(lists) < len(values):
             number = next(row for row, v in enumerate(values) if not isinstance(v, list))
             raise GradAccDataError(
-                f"Sample {lists[0]} of the micro-batch has a list of {len(values[lists[0]])} `{LOSS_WEIGHTS_KEY}` (per "
+                f"Sample {lists[0]} of the micro-batch has a list of {len(values[lists[0]])} `{LOSS_WEIGHTS_KEY}` "
+                "(per "
                 f"token) and sample {number} one number (per sample): give every sample the same kind of weights."
             )
         labels = batch.get("labels")
         if torch.is_tensor(labels) and (labels.dim() < 2 or labels.is_floating_point()):
             raise GradAccDataError(
-                f"Sample {lists[0]} of the micro-batch has a list of {len(values[lists[0]])} `{LOSS_WEIGHTS_KEY}` (per "
+                f"Sample {lists[0]} of the micro-batch has a list of {len(values[lists[0]])} `{LOSS_WEIGHTS_KEY}` "
+                "(per "
                 f"token), but the batch's `labels` (shape {list(labels.shape)}, dtype {labels.dtype}) hold one label "
                 "per sample (sequence classification, regression, multi-label): such a head takes one weight per "
                 f"sample. Give each sample one number as its `{LOSS_WEIGHTS_KEY}`."
@@ -314,7 +317,8 @@ class LossWeightsCollator:
                 )
             if len(v) > width:
                 raise GradAccDataError(
-                    f"Sample {row} of the micro-batch has {len(v)} `{LOSS_WEIGHTS_KEY}`, but the collated `labels` are "
+                    f"Sample {row} of the micro-batch has {len(v)} `{LOSS_WEIGHTS_KEY}`, but the collated `labels` "
+                    "are "
                     f"{width} wide (the collator cut the row): cut the weights with the labels in the dataset."
                 )
         padded = torch.zeros((len(values), width), dtype=torch.float32)

@@ -63,11 +63,13 @@ def check_requested_backend(dist_type: Any) -> None:
                 )
             else:
                 hint = (
-                    f"On a host without GPU set {CPU_DISTRIBUTED_ENV}=1 to run the config on CPU ranks (FSDP also needs "
+                    f"On a host without GPU set {CPU_DISTRIBUTED_ENV}=1 to run the config on CPU ranks (FSDP also "
+                    "needs "
                     "`--use_cpu true`); otherwise fix the accelerate config (`distributed_type`)."
                 )
             raise UnsupportedBackendError(
-                f"The launch asks for {wanted} (`{variable}=true`, from the accelerate config or TrainingArguments) but "
+                f"The launch asks for {wanted} (`{variable}=true`, from the accelerate config or TrainingArguments) "
+                "but "
                 f"accelerate set up {got} on this host, so the run would not be what the config says. {hint}"
             )
 

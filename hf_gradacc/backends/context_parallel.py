@@ -222,9 +222,11 @@ class ContextParallel:
         ``prediction_loss_only=False`` (``compute_metrics``, ``predict``) is refused by name."""
         if not prediction_loss_only:
             raise GradAccConfigError(
-                f"Evaluation with logits under context parallelism (`cp_size` {self.size}): each rank holds its chunks "
+                f"Evaluation with logits under context parallelism (`cp_size` {self.size}): each rank holds its "
+                "chunks "
                 "of every sequence, so `compute_metrics` and `predict` would see a shard's logits against whole-width "
-                "labels. `eval_loss` alone is exact here: set `compute_metrics=None` (or `prediction_loss_only=True`), "
+                "labels. `eval_loss` alone is exact here: set `compute_metrics=None` (or "
+                "`prediction_loss_only=True`), "
                 "or evaluate with `cp_size: 1`."
             )
         return self.agreed_pad(inputs, all_gather, device)
@@ -315,7 +317,8 @@ def check_micro_batch(batch: Mapping[str, Any]) -> None:
     ids = batch.get("input_ids")
     if not torch.is_tensor(ids) or ids.dim() != 2:
         raise GradAccDataError(
-            f"Context parallelism (`cp_size` > 1) needs `input_ids` of shape [rows, positions] (keys: {sorted(batch)}): "
+            "Context parallelism (`cp_size` > 1) needs `input_ids` of shape [rows, positions] (keys: "
+            f"{sorted(batch)}): "
             "the Trainer's context-parallel entry shards them and makes the position ids from them."
         )
     if PACKED_KEY in batch or (torch.is_tensor(batch.get("position_ids")) and _restarts(batch["position_ids"])):
@@ -327,7 +330,8 @@ def check_micro_batch(batch: Mapping[str, Any]) -> None:
     mask = batch.get("attention_mask")
     if torch.is_tensor(mask) and mask.dim() != 2:
         raise GradAccDataError(
-            f"The micro-batch's `attention_mask` has {mask.dim()} dimensions (shape {list(mask.shape)}): under context "
+            f"The micro-batch's `attention_mask` has {mask.dim()} dimensions (shape {list(mask.shape)}): under "
+            "context "
             "parallelism torch's `context_parallel` drops the mask for plain causal attention and the Trainer's entry "
             "would leave it whole beside sharded input ids. Give a 2-D padding mask [rows, positions], right-padded."
         )
@@ -437,7 +441,8 @@ def context_parallel_for(
         import transformers
 
         raise GradAccCompatibilityError(
-            f"`cp_size` {size}: transformers {transformers.__version__} has no `Trainer._prepare_context_parallel_inputs`"
+            f"`cp_size` {size}: transformers {transformers.__version__} has no "
+            "`Trainer._prepare_context_parallel_inputs`"
             ", the entry GradAccTrainer shards a micro-batch through. Use transformers >= 5.24, or `cp_size: 1`."
         )
     from ..compat import OPTIONAL_MEMBERS, check_members
@@ -449,7 +454,8 @@ def context_parallel_for(
     why = None
     if head.type != "causal_lm":
         why = (
-            f"the model's head is {head.type!r}: under context parallelism each rank holds chunks of every sequence and "
+            f"the model's head is {head.type!r}: under context parallelism each rank holds chunks of every sequence "
+            "and "
             "attention is forced causal, so only causal LMs are computed exactly (a sequence-level head pools one "
             "position, which lives on one shard; a bidirectional head would be trained causally)"
         )

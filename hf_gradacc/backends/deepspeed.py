@@ -86,7 +86,8 @@ def check_deepspeed_config(
             )
         config[ds_key] = wanted
     total = config.get("train_batch_size")
-    # under Ulysses accelerate rewrites it per data rank when it prepares the engine (a backend built again later sees it)
+    # under Ulysses accelerate rewrites it per data rank when it prepares the engine (a backend built again later
+    # sees it)
     allowed = {micro * gas * num_processes, micro * gas * (num_processes // max(1, sequence_parallel_size))}
     if _is_set(total) and int(total) not in allowed:
         raise GradAccConfigError(
@@ -245,7 +246,8 @@ class DeepSpeedBackend(Backend):
         head = detect_head_type(model) if requested == "auto" else requested
         if head not in (None, "causal_lm"):
             raise UnsupportedBackendError(
-                f"{type(unwrap_model(model)).__name__} (head `{head}`) cannot train under Ulysses sequence parallelism "
+                f"{type(unwrap_model(model)).__name__} (head `{head}`) cannot train under Ulysses sequence "
+                "parallelism "
                 f"(`parallelism_config.sp_size` {self.sequence_parallel_size}): DeepSpeed's adapter shards every "
                 "batch tensor along the sequence, which only a causal LM's per-position labels allow. Set "
                 "`parallelism_config_sp_size: 1` for this model, or train a causal LM."

@@ -77,7 +77,8 @@ def save_failure(step: int, folder: str, previous: str | None, args: Any) -> Gra
     )
     return GradAccDistributedError(
         f"Saving the checkpoint of optimizer step {step} on rank {args.process_index}: a collective got no answer "
-        f"within `ddp_timeout` ({args.ddp_timeout} s) or lost its peer; another rank froze, died or failed while saving "
+        f"within `ddp_timeout` ({args.ddp_timeout} s) or lost its peer; another rank froze, died or failed while "
+        "saving "
         f"(see its log: a full disk, a kill). {folder} is left incomplete (no hf_gradacc_complete.json); the next "
         f"`resume_from_checkpoint=True` passes it over and takes {then}."
     )

@@ -349,7 +349,8 @@ def _unsharded_grads(root: torch.nn.Module) -> list[torch.Tensor]:
                         grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
         except AttributeError as error:
             raise UnsupportedBackendError(
-                f"This torch version's FSDP2 keeps the unsharded gradient elsewhere ({error}), so the gradient between "
+                f"This torch version's FSDP2 keeps the unsharded gradient elsewhere ({error}), so the gradient "
+                "between "
                 "micro-batches cannot be read with `fsdp_sync='deferred'`; use `fsdp_sync='every_micro_batch'`."
             ) from error
     return grads

@@ -151,7 +151,8 @@ def fsdp2_wrap_problems(model: torch.nn.Module, fsdp_plugin: Any) -> list[WrapPr
                             f"`{paths.get(id(module))}` ({type(module).__name__}, part of the {label}) lies inside "
                             f"the auto-wrapped {owner}; accelerate wraps it a second time and torch fails "
                             "('Invariant encountered: value was None'). Wrap only the layer classes: "
-                            f"fsdp_config={{'transformer_layer_cls_to_wrap': {keep}}} in TrainingArguments (accelerate "
+                            f"fsdp_config={{'transformer_layer_cls_to_wrap': {keep}}} in TrainingArguments "
+                            "(accelerate "
                             f"config: `fsdp_transformer_layer_cls_to_wrap: {','.join(keep)}`)."
                         ),
                     )

@@ -32,7 +32,8 @@ _REFUSED = {
 
 
 def distributed_config_of(model: torch.nn.Module | None) -> Any | None:
-    """The ``DistributedConfig`` a model was sharded with at load time, or None (a model built or wrapped otherwise)."""
+    """The ``DistributedConfig`` a model was sharded with at load time, or None (a model built or wrapped
+    otherwise)."""
     from ..heads import unwrap_model
 
     if model is None:
@@ -76,7 +77,8 @@ def check_expert_parallel(config: Any) -> None:
         why = f"with `dp_replicate_size` {rep} (HSDP) the experts' all-reduce across replicas is not measured"
     elif fsdp * tp != ep:
         why = (
-            f"each expert is FSDP-sharded over `fsdp_size` x `tp_size` / `ep_size` = {fsdp * tp // ep} ranks (a summed "
+            f"each expert is FSDP-sharded over `fsdp_size` x `tp_size` / `ep_size` = {fsdp * tp // ep} ranks (a "
+            "summed "
             "reduce-scatter divided locally, which transformers sets up for gloo): not measured"
         )
     elif tp > 1 and fsdp > 1:
@@ -157,7 +159,8 @@ def warn_unresumable_checkpoints(config: Any, args: Any) -> None:
         f"(`DistributedConfig({layout})`), and transformers {transformers.__version__} saves no optimizer state for "
         "such a model (its Trainer saves checkpoints of it only with `save_only_model=True`: the model weights, "
         "gathered by `save_model`); `resume_from_checkpoint` refuses a checkpoint without its optimizer state (the "
-        "stock resume would restart the optimizer's moments silently). To go on from a checkpoint, load it with `from_pretrained(<checkpoint>, "
+        "stock resume would restart the optimizer's moments silently). To go on from a checkpoint, load it with "
+        "`from_pretrained(<checkpoint>, "
         "distributed_config=...)` and train it as a new run without `resume_from_checkpoint` (the optimizer's "
         "moments, the schedule and the data order start afresh); to keep only the trained model, set "
         "`save_strategy='no'` and call `trainer.save_model()` at the end."
@@ -171,8 +174,9 @@ def check_context_parallel(parallelism_config: Any, *, distributed_type: Any = N
     ``sp_backend="deepspeed"``.
 
     Context parallelism is trained through the Trainer's own entry (``Trainer._prepare_context_parallel_inputs`` and
-    accelerate's ``maybe_context_parallel``, see :mod:`hf_gradacc.backends.context_parallel`): each rank counts the targets of
-    its chunks of every sequence, the count is summed over every rank (data x context), and the loss is scaled by the
+    accelerate's ``maybe_context_parallel``, see :mod:`hf_gradacc.backends.context_parallel`): each rank counts the
+    targets of its chunks of every sequence, the count is summed over every rank (data x context), and the loss is
+    scaled by the
     ranks FSDP2 averages over (accelerate shards over ``dp_shard_cp``: data x context, every process). The head,
     attention and settings it cannot hold are refused at construction by
     :func:`hf_gradacc.backends.context_parallel.context_parallel_for`.
@@ -204,7 +208,8 @@ def check_context_parallel(parallelism_config: Any, *, distributed_type: Any = N
     if not str(distributed_type).endswith("FSDP"):
         why = (
             f"context parallelism runs under FSDP2 only (accelerate shards the model over `dp_shard_cp`), not "
-            f"{distributed_type}; use an FSDP config with `fsdp_version: 2` (examples/accelerate_configs/cp_fsdp2.yaml)"
+            f"{distributed_type}; use an FSDP config with `fsdp_version: 2` "
+            "(examples/accelerate_configs/cp_fsdp2.yaml)"
         )
     elif tp_size > 1:
         why = f"with `tp_size` {tp_size} (tensor x context parallelism) the count and loss scale are not shown exact"

@@ -79,7 +79,9 @@ class TensorParallelBackend(FSDP2Backend):
 
     Example:
         ```python
-        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))
+        model = AutoModelForCausalLM.from_pretrained(
+            path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2)
+        )
         trainer = GradAccTrainer(model=model, args=args, train_dataset=data)   # torchrun --nproc_per_node 4
         trainer.backend.describe()   # "TP 2 x FSDP 2, 4 processes, gloo"
         ```
@@ -107,7 +109,8 @@ class TensorParallelBackend(FSDP2Backend):
             raise UnsupportedBackendError(
                 f"accelerate set up tensor parallelism (`parallelism_config.tp_size` "
                 f"{getattr(self.accelerator.parallelism_config, 'tp_size', '?')}) but the model "
-                f"({type(model).__name__}) was not sharded by transformers. GradAccTrainer supports tensor parallelism "
+                f"({type(model).__name__}) was not sharded by transformers. GradAccTrainer supports tensor "
+                "parallelism "
                 "through `from_pretrained(..., distributed_config=DistributedConfig(tp_size=..., fsdp_size=...))` "
                 "(or `tp_plan='auto'`); remove `tp_size` from the accelerate `parallelism_config` otherwise."
             )

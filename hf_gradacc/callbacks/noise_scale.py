@@ -225,7 +225,8 @@ class GradientNoiseScaleCallback(GradAccCallback):
             return
         if min(window.counts.num_micro_batches_per_rank, default=0) < (1 if window.streamed else 2):
             logger.warning_once(
-                "GradientNoiseScaleCallback needs at least 2 micro-batches per optimizer step on every rank (the first "
+                "GradientNoiseScaleCallback needs at least 2 micro-batches per optimizer step on every rank (the "
+                "first "
                 "one is the small batch): steps with fewer are not measured. Set `gradient_accumulation_steps >= 2`."
             )
             return

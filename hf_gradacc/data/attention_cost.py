@@ -30,8 +30,8 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 # ---------------------------------------------------------------------------------------------- the cost model
 # Calibration of AttentionCostModel.for_model on a CPU (eager / sdpa, float32, one thread), by
-# `python benchmarks/packed_row_cost.py --fit`: a dense attention score costs _SCORE_FLOP_FACTOR times its matrix-product
-# FLOPs (the mask, the softmax and their backward are memory-bound), and a micro-batch costs a fixed
+# `python benchmarks/packed_row_cost.py --fit`: a dense attention score costs _SCORE_FLOP_FACTOR times its
+# matrix-product FLOPs (the mask, the softmax and their backward are memory-bound), and a micro-batch costs a fixed
 # _MICRO_BATCH_FLOPS_PER_LAYER per layer (kernel launches, Python) on top of its positions.
 _SCORE_FLOP_FACTOR = 0.43
 _MICRO_BATCH_FLOPS_PER_LAYER = 7.2e7

@@ -10,17 +10,17 @@ model keeps the samples of a row apart. This module uses that freedom:
    short last step are the stock ones) and :func:`pack_window` packs each step's samples into the fewest rows of at
    most ``max_tokens`` tokens that every rank can hold in the same number of micro-batches, with the tokens balanced
    over micro-batches and ranks. No sample is split.
-   With a dense attention kernel (eager, sdpa) :func:`cheapest_plan` picks, by an :class:`~hf_gradacc.data.attention_cost.AttentionCostModel`,
-   between those rows, smaller ones and the padded regrouping of the step, so that packing never costs more than
-   the padded layout it replaces.
+   With a dense attention kernel (eager, sdpa) :func:`cheapest_plan` picks, by an
+   :class:`~hf_gradacc.data.attention_cost.AttentionCostModel`, between those rows, smaller ones and the padded
+   regrouping of the step, so that packing never costs more than the padded layout it replaces.
 2. :class:`PackedCollator` turns one micro-batch into ONE padding-free row (or, with a cost model, pads the
-   micro-batches that cost less padded): ``input_ids`` and ``labels`` of shape ``[1, T]``, the first label of every sample masked (so no sample predicts the next one's first token),
-   ``position_ids`` restarting at 0 per sample, and the sequence boundaries of the flash kernels (the keys
-   ``transformers.DataCollatorWithFlattening`` emits). No ``attention_mask``: transformers then finds the sequences
-   in the restarting ``position_ids`` and builds a block-diagonal causal mask (eager, sdpa, flex attention) or calls
-   the variable-length flash kernels.
-3. :func:`~hf_gradacc.data.pack_check.check_packing_support` refuses a model that would let the samples of a row attend to each other: there
-   is no error from transformers in that case, only a wrong loss.
+   micro-batches that cost less padded): ``input_ids`` and ``labels`` of shape ``[1, T]``, the first label of every
+   sample masked (so no sample predicts the next one's first token), ``position_ids`` restarting at 0 per sample, and
+   the sequence boundaries of the flash kernels (the keys ``transformers.DataCollatorWithFlattening`` emits). No
+   ``attention_mask``: transformers then finds the sequences in the restarting ``position_ids`` and builds a
+   block-diagonal causal mask (eager, sdpa, flex attention) or calls the variable-length flash kernels.
+3. :func:`~hf_gradacc.data.pack_check.check_packing_support` refuses a model that would let the samples of a row
+   attend to each other: there is no error from transformers in that case, only a wrong loss.
 
 What counts is unchanged: a packed row's targets after the causal shift are exactly the padded batch's (each
 sample's own tokens 1..n-1), and its input positions are the real tokens.
@@ -296,10 +296,11 @@ class WindowPackBatchSampler(WindowRegroupBatchSampler):
             masked ``T x T`` score matrix per row, which grows with the row's square (the flash kernels and flex
             attention skip the masked blocks): with those, give a ``cost_model``. For predictable memory and
             compiled shapes, set a fixed budget.
-        cost_model: an :class:`~hf_gradacc.data.attention_cost.AttentionCostModel` (the trainer passes :meth:`~hf_gradacc.data.attention_cost.AttentionCostModel.for_model`). When
-            its attention is ``dense``, each step gets the cheapest plan of :func:`cheapest_plan` (fewest rows,
-            smaller rows, or the padded regrouping), and the collator must be ``PackedCollator(cost_model=...)`` with
-            the same model, which pads the micro-batches that cost less padded. ``None``: the fewest rows.
+        cost_model: an :class:`~hf_gradacc.data.attention_cost.AttentionCostModel` (the trainer passes
+            :meth:`~hf_gradacc.data.attention_cost.AttentionCostModel.for_model`). When its attention is ``dense``,
+            each step gets the cheapest plan of :func:`cheapest_plan` (fewest rows, smaller rows, or the padded
+            regrouping), and the collator must be ``PackedCollator(cost_model=...)`` with the same model, which pads
+            the micro-batches that cost less padded. ``None``: the fewest rows.
 
     Example:
         ```python
@@ -429,11 +430,11 @@ class PackedCollator:
     one per token: packed per token, see :mod:`hf_gradacc.weights`); anything else is an error.
     The lengths of the samples are ``cu_seq_lens_q.diff()`` (:func:`packed_sequence_lengths`).
 
-    With ``cost_model`` (an :class:`~hf_gradacc.data.attention_cost.AttentionCostModel`, the one given to :class:`WindowPackBatchSampler`), a
-    micro-batch that costs less padded than as one dense row (:meth:`AttentionCostModel.packs` is False) is returned
-    padded instead: ``input_ids`` ``[n, longest]`` right-padded with ``pad_token_id``, ``labels`` padded with
-    ``ignore_index`` (each sample's first label masked as above, which the causal shift drops anyway) and an
-    ``attention_mask``. Its targets are the same; only the layout differs.
+    With ``cost_model`` (an :class:`~hf_gradacc.data.attention_cost.AttentionCostModel`, the one given to
+    :class:`WindowPackBatchSampler`), a micro-batch that costs less padded than as one dense row
+    (:meth:`AttentionCostModel.packs` is False) is returned padded instead: ``input_ids`` ``[n, longest]`` right-padded
+    with ``pad_token_id``, ``labels`` padded with ``ignore_index`` (each sample's first label masked as above, which
+    the causal shift drops anyway) and an ``attention_mask``. Its targets are the same; only the layout differs.
 
     Example:
         ```python

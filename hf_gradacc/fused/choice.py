@@ -12,7 +12,8 @@ rank decides alike), give the rows of one micro-batch: ``counted`` (targets that
 head projects) and ``positions`` (the rows of the full logits). With the head's ``hidden`` size, ``vocab``, compute
 dtype and device, the model predicts the LM head's forward + backward time both ways::
 
-    full  = mm * positions * hidden * vocab + ce * positions * vocab + spill * max(0, positions * vocab - cached) + call
+    full  = mm * positions * hidden * vocab + ce * positions * vocab
+            + spill * max(0, positions * vocab - cached) + call
     fused = mm' * counted * hidden * vocab + ce' * counted * vocab + (sweep * tiles + buffer) * hidden * vocab + call'
 
 (``spill``: each logit past ``cached``, the fused head's tile size, costs more: the logits no longer stay in cache

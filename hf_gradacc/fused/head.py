@@ -21,8 +21,9 @@ Why not ``torch.nn.functional.linear_cross_entropy`` (torch 2.13, chunked when g
 it takes a weight, not a module, so softcapping (a non-linear transform between the matmul and the loss) and PEFT
 adapters on the head cannot go through it; and on a 2-core x86 CPU (``benchmarks/fused_head.py``, docs/benchmarks.md)
 it was 2-20x slower than the full logits, where these tiles take 0.76-0.90x of their CPU time (docs/memory.md), with
-a hidden-state gradient 17x further from float64. Its memory is lower when rows are few compared with the hidden size, where the tiles' weight-gradient
-buffer (``[vocabulary x hidden]``, which the weight's gradient needs anyway) is the larger part.
+a hidden-state gradient 17x further from float64. Its memory is lower when rows are few compared with the hidden
+size, where the tiles' weight-gradient buffer (``[vocabulary x hidden]``, which the weight's gradient needs anyway)
+is the larger part.
 """
 
 from __future__ import annotations
@@ -375,7 +376,13 @@ class _ScaledGradients(torch.autograd.Function):
     tile in the forward pass: the backward pass hands them on, times the incoming gradient (a scalar)."""
 
     @staticmethod
-    def forward(ctx: Any, total: torch.Tensor, grads: tuple, into: tuple, *inputs: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
+    def forward(
+        ctx: Any,  # noqa: ANN401
+        total: torch.Tensor,
+        grads: tuple,
+        into: tuple,
+        *inputs: torch.Tensor,
+    ) -> torch.Tensor:
         # Kept on ctx, not saved for backward: neither inputs nor outputs, and the backward pass drops them at once
         # (also under retain_graph), so the gradient it returns is the only reference and autograd can adopt it as
         # `.grad` without a copy.
@@ -476,7 +483,12 @@ class _ThroughLogits(torch.autograd.Function):
     placeholder: the tiles are back-propagated only after the gradient went through the model's logits."""
 
     @staticmethod
-    def forward(ctx: Any, sum_loss: torch.Tensor, like: torch.Tensor, box: _GradientBox) -> torch.Tensor:  # noqa: ANN401
+    def forward(
+        ctx: Any,  # noqa: ANN401
+        sum_loss: torch.Tensor,
+        like: torch.Tensor,
+        box: _GradientBox,
+    ) -> torch.Tensor:
         ctx.box = box
         return like.new_zeros((*like.shape[:-1], 1))
 
@@ -496,7 +508,12 @@ class _FromLogits(torch.autograd.Function):
     would, and the wrapper reduces them from there."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, value: torch.Tensor, box: _GradientBox) -> torch.Tensor:  # noqa: ANN401
+    def forward(
+        ctx: Any,  # noqa: ANN401
+        logits: torch.Tensor,
+        value: torch.Tensor,
+        box: _GradientBox,
+    ) -> torch.Tensor:
         ctx.box, ctx.shape, ctx.dtype = box, logits.shape, logits.dtype
         return value.detach().clone()
 
@@ -616,9 +633,10 @@ def fused_row_check(
     ignore_index: int,
 ) -> tuple[float, float] | None:
     """The start-up check of the fused head on ONE row (the first with a counted target; for a causal LM cut after its
-    first 32 counted targets by :mod:`hf_gradacc.fused.check_row`), without gradient: the model's own loss of that row (its forward with the labels: the full logits of one row, no graph; minus the router
-    terms it adds, for a mixture of experts) and the fused reconstruction of the same row (its sum over its count).
-    None when no row has a counted target or the model computes no loss.
+    first 32 counted targets by :mod:`hf_gradacc.fused.check_row`), without gradient: the model's own loss of that
+    row (its forward with the labels: the full logits of one row, no graph; minus the router terms it adds, for a
+    mixture of experts) and the fused reconstruction of the same row (its sum over its count). None when no row has
+    a counted target or the model computes no loss.
 
     Every rank of a sharded model (ZeRO-3, FSDP2) must run the same collectives, so the two forwards always run: a
     micro-batch without a counted target runs them on its first row, and the result is None."""

@@ -282,8 +282,10 @@ def begin(weight: torch.Tensor, wrapper: Any, head: Any, recompute: Callable[[],
         )
     if _ABANDONED.pop(weight, None):
         raise GradAccUsageError(
-            "fused_lm_head: a fused LM-head loss was computed with gradient and never back-propagated, after its weight "
-            "gradient had been added into the head's `.grad` (done in the forward pass for the micro-batches after the "
+            "fused_lm_head: a fused LM-head loss was computed with gradient and never back-propagated, after its "
+            "weight "
+            "gradient had been added into the head's `.grad` (done in the forward pass for the micro-batches after "
+            "the "
             "first). Back-propagate every fused loss computed with gradient, compute it under `torch.no_grad()`, or "
             "zero the gradients (`model.zero_grad()`) before going on."
         )

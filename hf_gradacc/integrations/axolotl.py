@@ -29,13 +29,13 @@ front, keeping the class's own overrides. Two things are axolotl-specific:
   ``DataCollatorWithFlattening`` and hf_gradacc's own packing do. Then the tokens counted are those of the samples
   trained unpacked, and a packed step equals the unpacked one.
 
-Refused, with the reason, before the model is loaded (``pre_model_load``; checked again on the built trainer): packing with an attention that lets packed samples
-see each other; packing for a reward / process-reward / preference trainer (their counts are per sample, and
-axolotl's packed rows do not carry the sample boundaries hf_gradacc counts samples from); packing together with
-hf_gradacc's own ``regroup_micro_batches`` / ``max_tokens_per_micro_batch`` / ``pack_micro_batches`` (axolotl's
-multipack sampler already forms the micro-batches); context or tensor parallelism (ranks that share samples are
-not data-parallel ranks); every trainer :func:`hf_gradacc.make_exact` refuses (TRL trainers hf_gradacc.trl does not
-cover: ORPO, KTO, CPO, PRM; an unknown ``training_step`` override).
+Refused, with the reason, before the model is loaded (``pre_model_load``; checked again on the built trainer): packing
+with an attention that lets packed samples see each other; packing for a reward / process-reward / preference trainer
+(their counts are per sample, and axolotl's packed rows do not carry the sample boundaries hf_gradacc counts samples
+from); packing together with hf_gradacc's own ``regroup_micro_batches`` / ``max_tokens_per_micro_batch`` /
+``pack_micro_batches`` (axolotl's multipack sampler already forms the micro-batches); context or tensor parallelism
+(ranks that share samples are not data-parallel ranks); every trainer :func:`hf_gradacc.make_exact` refuses (TRL
+trainers hf_gradacc.trl does not cover: ORPO, KTO, CPO, PRM; an unknown ``training_step`` override).
 
 Axolotl hard-codes ``average_tokens_across_devices=False``; hf_gradacc counts the step's denominator over every
 micro-batch and rank itself, so that setting no longer matters (a warning says it is ignored) and the plugin leaves

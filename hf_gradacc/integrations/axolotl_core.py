@@ -102,7 +102,8 @@ def check_axolotl_config(cfg: Mapping[str, Any], knobs: Mapping[str, Any]) -> No
         return
     if not cfg.get("attn_decontaminates_packing", False):
         raise GradAccConfigError(
-            f"`sample_packing: true` with `attn_implementation: {cfg.get('attn_implementation')!r}`: axolotl says this "
+            f"`sample_packing: true` with `attn_implementation: {cfg.get('attn_implementation')!r}`: axolotl says "
+            "this "
             "attention does not keep packed samples apart, so every sample would attend to the ones packed before it "
             "and no accumulation can equal the unpacked step. Set `attn_implementation` to flash_attention_2, "
             "flex_attention, sdpa or eager, or `sample_packing: false`."

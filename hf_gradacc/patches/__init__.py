@@ -7,7 +7,8 @@
   ``ddp_cpu.yaml`` or ``torchrun``).
 
 Set ``HF_GRADACC_CPU_DISTRIBUTED=1`` to have :class:`~hf_gradacc.GradAccTrainer` apply the whole set when it is
-created (:func:`maybe_enable_from_env`); scripts that build their own ``TrainingArguments`` first are repaired then too.
+created (:func:`maybe_enable_from_env`); scripts that build their own ``TrainingArguments`` first are repaired then
+too.
 
 Example:
     ```bash

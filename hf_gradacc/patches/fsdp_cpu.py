@@ -65,7 +65,8 @@ def _switch_to_fsdp(state: Any, fsdp_plugin: Any) -> None:
 
 
 def enable_fsdp_on_cpu() -> bool:
-    """Make accelerate honour an FSDP config on a CPU-only host (gloo). Idempotent; undo with :func:`disable_fsdp_on_cpu`.
+    """Make accelerate honour an FSDP config on a CPU-only host (gloo). Idempotent; undo with
+    :func:`disable_fsdp_on_cpu`.
 
     Returns True when the patch is in effect, False when it was not applied (CUDA is available: accelerate selects
     FSDP there by itself). Call it before the `TrainingArguments` and the trainer are created. It is meant for

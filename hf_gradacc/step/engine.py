@@ -191,7 +191,8 @@ class StepEngine:
                     "To train, call `trainer.train()`. For a one-off forward and backward pass outside training, "
                     "`loss = trainer.compute_loss(trainer.model, batch)` is the batch's mean loss (as in `Trainer`; "
                     "the batch's tensors on the model's device): call `loss.backward()` on it (not "
-                    "`transformers.Trainer.training_step(trainer, ...)`, which divides by `gradient_accumulation_steps` "
+                    "`transformers.Trainer.training_step(trainer, ...)`, which divides by "
+                    "`gradient_accumulation_steps` "
                     "and fails before `train()`); `trainer.evaluate()` gives the loss alone"
                 )
             raise GradAccUsageError(
@@ -385,7 +386,8 @@ class StepEngine:
         loss (it called the model itself): the setting did nothing there, so say it, once."""
         logger.warning_once(
             f"`fused_lm_head=True` is ignored: {type(self.host).__name__}.training_step computed a micro-batch's loss "
-            "without `self.compute_loss` (the model ran with its full logits). Call `self.compute_loss(model, inputs)` "
+            "without `self.compute_loss` (the model ran with its full logits). Call `self.compute_loss(model, "
+            "inputs)` "
             "(or `super().training_step`) in the overridden `training_step`, or set `fused_lm_head=False`."
         )
 
@@ -405,7 +407,8 @@ class StepEngine:
             host.optimizer.train()
         inputs = host._prepare_inputs(inputs)
         source = self.source
-        # a `compute_loss_func` is the user's own loss, called with this micro-batch's count: nothing to compare it with
+        # a `compute_loss_func` is the user's own loss, called with this micro-batch's count: nothing to compare it
+        # with
         check = self.start_check_due and window.index == 0 and self.start_check is None and not source.loss_from_func
         denominator = self.primary_denominator
         local = window.current_counts.get(denominator)
@@ -616,5 +619,6 @@ class StepEngine:
             yield
 
     def release_buffers(self) -> None:
-        """Let go of the fused head's kept weight-gradient buffer (evaluation and checkpoint saves need no gradient)."""
+        """Let go of the fused head's kept weight-gradient buffer (evaluation and checkpoint saves need no
+        gradient)."""
         into_grad.release_buffers()

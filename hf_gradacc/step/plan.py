@@ -124,7 +124,8 @@ class RunPlan:
             return values  # the stock skip lands on the recorded position: resumed as before, bit for bit
         if not args.ignore_data_skip and not skip_first_samples(dataloader, point.num_samples, point.epoch):
             raise GradAccConfigError(
-                f"Resuming at sample {point.num_samples} of epoch {point.epoch} ({', '.join(point.changed)}) needs the "
+                f"Resuming at sample {point.num_samples} of epoch {point.epoch} ({', '.join(point.changed)}) needs "
+                "the "
                 f"training dataloader's index sampler, and {type(dataloader).__name__} has none under a BatchSampler. "
                 "Resume with the checkpoint's layout, or set `resume_data_mismatch='accept'`."
             )

@@ -1,10 +1,10 @@
 """One optimizer step in flight ("the window", :class:`Window`): its micro-batches, their counts (local and over
 every rank: :class:`~hf_gradacc.counting.WindowCounts`), the micro-batch cursor and the step's flags.
 
-The window knows nothing about backends: it is handed an ``all_gather`` callable that returns one row per
-data-parallel rank, and issues exactly one such collective per optimizer step (:func:`~hf_gradacc.counting.gather_window_counts`).
-It also holds the one normalisation of what ``compute_loss`` returned (:meth:`Window.normalized_terms`): each term
-divided by its denominator counted over the whole step, times the data-parallel world size.
+The window knows nothing about backends: it is handed an ``all_gather`` callable that returns one row per data-parallel
+rank, and issues exactly one such collective per optimizer step (:func:`~hf_gradacc.counting.gather_window_counts`). It
+also holds the one normalisation of what ``compute_loss`` returned (:meth:`Window.normalized_terms`): each term divided
+by its denominator counted over the whole step, times the data-parallel world size.
 """
 
 from __future__ import annotations
@@ -260,7 +260,8 @@ class Window:
         weighted = any(t.normalize_by == "weights" for t in parsed.terms.values() if isinstance(t.normalize_by, str))
         if weighted or self.current_counts.weight_sum is not None:
             raise GradAccConfigError(
-                "`loss_weights` (the 'weights' denominator) cannot be used with `defer_normalization=True`: the weight "
+                "`loss_weights` (the 'weights' denominator) cannot be used with `defer_normalization=True`: the "
+                "weight "
                 "sum is gathered with the counts before the first forward pass. Set `defer_normalization=False`."
             )
         if parsed.plain is not None:
@@ -280,7 +281,8 @@ class Window:
                 counts_given = {int(t.normalize_by) for t in terms}
                 if len(counts_given) != 1:
                     raise GradAccLossError(
-                        f"With `defer_normalization=True` every LossTerm must share one count (got {sorted(counts_given)})"
+                        "With `defer_normalization=True` every LossTerm must share one count (got "
+                        f"{sorted(counts_given)})"
                     )
                 custom = counts_given.pop()
             summed = terms[0].total

@@ -12,14 +12,14 @@ pi_old(o_it)``, ``r_it = exp(l_it)`` (``importance_sampling_level="sequence"``: 
 
 | ``loss_type`` | per-token value ``v_it`` | the step's loss |
 | --- | --- | --- |
-| ``grpo`` | ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` (PPO clip; ``delta`` caps ``r``) | mean over the step's sequences of ``mean_t v_it`` |
+| ``grpo`` | ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` (PPO clip) | mean over the sequences of ``mean_t v_it`` |
 | ``bnpo`` | as ``grpo`` | ``sum v / tokens`` of the "local batch" (see below) |
 | ``dr_grpo`` | as ``grpo`` | ``sum v / (sequences x max_completion_length)`` |
 | ``dapo`` | as ``grpo`` | ``sum v / tokens`` of the step (the "global accumulated batch") |
 | ``cispo`` | ``-sg(min(r, eps_high)) A log pi`` (MiniMax-M1 / ScaleRL) | ``sum v / tokens`` of the step |
 | ``sapo`` | ``-sigmoid(tau (r - 1)) 4 / tau A``, ``tau`` by the sign of ``A`` (SAPO) | as ``grpo`` |
 | ``luspo`` | as ``grpo``, sequence-level ratio (GSPO) | mean over the sequences of ``sum_t v_it`` (scaled by length) |
-| ``vespo`` | ``-sg(phi(w)) A log pi``, ``phi(w) = e^lam w^k e^(-lam w)``, ``w = exp(sum_t l_it)`` | ``sum v / tokens`` of the step |
+| ``vespo`` | ``-sg(phi(w)) A log pi``, ``phi(w) = e^lam w^k e^(-lam w)``, ``w = exp(sum_t l_it)`` | as ``dapo`` |
 
 "The step" is every completion of every micro-batch of the optimizer step on every process (a completion met twice in
 one step, as ``num_iterations`` allows, counts twice). ``bnpo`` is the one loss defined on the split: TRL's docstring
@@ -27,6 +27,7 @@ normalises it "over the local batch only" (one micro-batch of one process). ``bn
 that batch (what GradAccGRPOTrainer trains: then ``bnpo`` is ``dapo``), ``bnpo_scope="micro_batch"`` the definition
 taken literally (the mean over micro-batches of each one's token mean; TRL's stock step). A completion with no token
 counts as a sequence of value 0. ``vespo``'s normaliser is not in TRL's docstring: the step's tokens, as ``dapo``.
+In the PPO clip of ``grpo`` (and of the losses "as ``grpo``") ``delta`` caps ``r``.
 
 Example:
     ```python

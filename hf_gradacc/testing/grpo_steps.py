@@ -12,7 +12,7 @@ loss type's gradient is ``-sum_i A_i grad log p(completion tokens of i)`` weight
 
 | ``loss_type`` | the step's loss (per-token value ``-A_i r_it``, ``r = p / p.detach()``) |
 | --- | --- |
-| ``dapo``, ``bnpo``, ``cispo``, ``vespo`` | sum over every completion token of the step / the step's completion tokens |
+| ``dapo``, ``bnpo``, ``cispo``, ``vespo`` | sum over every completion token of the step / their number |
 | ``grpo``, ``sapo`` | mean over the step's sequences of each sequence's token mean |
 | ``luspo`` | mean over the step's sequences of each sequence's token sum |
 | ``dr_grpo`` | sum over every completion token / (the step's sequences x ``max_completion_length``) |

@@ -30,7 +30,8 @@ from ..trainer import GradAccTrainer
 
 
 class LinearScoreModel(nn.Module):
-    """``score = c . (W x + bias)`` per sample; ``forward`` returns ``{"score": [rows]}`` (a dict, as a ModelOutput)."""
+    """``score = c . (W x + bias)`` per sample; ``forward`` returns ``{"score": [rows]}`` (a dict, as a
+    ModelOutput)."""
 
     def __init__(self, dim: int, outputs: int = 2, seed: int = 0) -> None:
         super().__init__()

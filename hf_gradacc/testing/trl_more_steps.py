@@ -14,10 +14,10 @@ copy of the initial model(s), every sample of the optimizer step on its own (no 
   with the teacher's and the student's next-token distributions ``T`` and ``S`` (logits / temperature), ``beta = 0``:
   ``KL(T || S)``; ``beta = 1``: ``KL(S || T)``; else ``beta KL(T || M) + (1 - beta) KL(S || M)``, ``M = beta T + (1 -
   beta) S``; the step's loss is the sum over every completion token of the step over their number.
-- **RLOO** (Ahmadian et al. 2024; TRL's ``RLOOConfig``): each completion's advantage is its reward minus the mean reward
-  of the OTHER completions of its prompt; the loss of a completion is ``-A min(rho, clip(rho))`` with the sequence
-  ratio ``rho = pi(y|x) / pi_old(y|x)`` (1 at the first step: gradient ``-A grad log pi(y|x)``); the step's loss is the
-  mean over ALL its completions.
+- **RLOO** (Ahmadian et al. 2024; TRL's ``RLOOConfig``): each completion's advantage is its reward minus the mean
+  reward of the OTHER completions of its prompt; the loss of a completion is ``-A min(rho, clip(rho))`` with the
+  sequence ratio ``rho = pi(y|x) / pi_old(y|x)`` (1 at the first step: gradient ``-A grad log pi(y|x)``); the step's
+  loss is the mean over ALL its completions.
 
 Example:
     ```python

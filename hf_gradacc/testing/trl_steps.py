@@ -12,7 +12,13 @@ repeats) and which TRL's per-row metric gathers need to be equal across ranks at
 
 Example:
     ```python
-    from hf_gradacc.testing.trl_steps import dpo_dataset, dpo_pairs, dpo_reference, uneven_batch_sizes, with_batch_layout
+    from hf_gradacc.testing.trl_steps import (
+        dpo_dataset,
+        dpo_pairs,
+        dpo_reference,
+        uneven_batch_sizes,
+        with_batch_layout,
+    )
 
     pairs = dpo_pairs(14)
     trainer_class = with_batch_layout(GradAccDPOTrainer, uneven_batch_sizes(2, 4, num_processes=2))  # 2+2+2+1 per rank

@@ -66,7 +66,8 @@ from ..compat import SUPPORTED_VERSIONS, is_supported, trl_at_least  # noqa: E40
 if not is_supported("trl", _trl.__version__):
     raise TRLDependencyError(
         f"hf_gradacc.trl supports trl{SUPPORTED_VERSIONS['trl']}, and trl {_trl.__version__} is installed. Install a "
-        f"supported version with the extra: pip install \"hf_gradacc[trl]\" (or pip install 'trl{SUPPORTED_VERSIONS['trl']}')."
+        'supported version with the extra: pip install "hf_gradacc[trl]" (or pip install '
+        f"'trl{SUPPORTED_VERSIONS['trl']}')."
     )
 
 from .dpo import GradAccDPOConfig, GradAccDPOTrainer  # noqa: E402

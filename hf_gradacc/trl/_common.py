@@ -65,12 +65,14 @@ def refuse_uneven_micro_batches(trainer: GradAccMixin, *, rows_gathered: bool) -
     would wait forever for a rank that has none left) or micro-batches of different sizes (``rows_gathered``)."""
     settings, name = trainer.gradacc, type(trainer).__name__
     why = (
-        "TRL gathers its logged metrics across processes inside `compute_loss`, once per micro-batch, so every process "
+        "TRL gathers its logged metrics across processes inside `compute_loss`, once per micro-batch, so every "
+        "process "
         "must run the same micro-batches"
     )
     if settings.auto_micro_batch:
         raise GradAccConfigError(
-            f"`auto_micro_batch=True` is not supported by {name}: {why}, and after an out-of-memory error the processes "
+            f"`auto_micro_batch=True` is not supported by {name}: {why}, and after an out-of-memory error the "
+            "processes "
             "split their micro-batches independently. Turn `auto_micro_batch` off."
         )
     if settings.defer_normalization:
@@ -190,7 +192,8 @@ def training_window(trainer: GradAccMixin) -> Any:
         raise GradAccDataError(
             f"The processes hold different numbers of micro-batches in this optimizer step ({list(per_rank)}). "
             f"{type(trainer).__name__} runs TRL's compute_loss, which gathers its metrics across processes once per "
-            "micro-batch, so a process with more micro-batches would wait forever. Use a map-style dataset (accelerate "
+            "micro-batch, so a process with more micro-batches would wait forever. Use a map-style dataset "
+            "(accelerate "
             "gives every process the same number of batches) or an IterableDataset that yields as many batches on "
             "every process."
         )

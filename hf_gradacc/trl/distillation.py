@@ -51,8 +51,10 @@ class GradAccDistillationConfig(GradAccArguments, DistillationConfig):
         ```python
         from hf_gradacc.trl import GradAccDistillationConfig
 
-        args = GradAccDistillationConfig(output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=8,
-                                         beta=0.5, max_completion_length=128)
+        args = GradAccDistillationConfig(
+            output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=8,
+            beta=0.5, max_completion_length=128,
+        )
         ```
     """
 
@@ -71,8 +73,9 @@ class GradAccDistillationTrainer(GradAccMixin, GeneratesAtFetch, DistillationTra
         ```python
         from hf_gradacc.trl import GradAccDistillationConfig, GradAccDistillationTrainer
 
-        args = GradAccDistillationConfig(output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=8,
-                                         beta=0.5)
+        args = GradAccDistillationConfig(
+            output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=8, beta=0.5
+        )
         trainer = GradAccDistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=prompts,
                                              processing_class=tokenizer)
         trainer.train()
@@ -89,7 +92,8 @@ class GradAccDistillationTrainer(GradAccMixin, GeneratesAtFetch, DistillationTra
         super().__init__(*args, gradacc_args=gradacc_args, **kwargs)
 
     def _setup_gradacc(self, gradacc_args: Any) -> None:
-        """The mixin's setup, then what on-policy distillation cannot do (also run by :func:`~hf_gradacc.make_exact`)."""
+        """The mixin's setup, then what on-policy distillation cannot do (also run by
+        :func:`~hf_gradacc.make_exact`)."""
         super()._setup_gradacc(gradacc_args)
         refuse_uneven_micro_batches(self, rows_gathered=True)
         name = type(self).__name__

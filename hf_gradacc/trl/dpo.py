@@ -72,14 +72,16 @@ class GradAccDPOTrainer(GradAccMixin, DPOTrainer):
     The reference model (``ref_model``, a PEFT adapter switched off, or ``precompute_ref_log_probs=True``), the fused
     LM head, every per-pair ``loss_type`` and their weights, ``ld_alpha``, ``use_weighting`` and TRL's logged rewards
     and log-probabilities are TRL's. ``loss_type="sft"`` (RPO's NLL term) is a mean over the step's chosen completion
-    tokens. ``"aot"`` / ``"aot_unpaired"`` sort the pairs of a micro-batch, so they are refused unless the whole step is
-    one micro-batch on one process.
+    tokens. ``"aot"`` / ``"aot_unpaired"`` sort the pairs of a micro-batch, so they are refused unless the whole step
+    is one micro-batch on one process.
 
     Example:
         ```python
         from hf_gradacc.trl import GradAccDPOConfig, GradAccDPOTrainer
 
-        args = GradAccDPOConfig(output_dir="out", per_device_train_batch_size=2, gradient_accumulation_steps=8, beta=0.1)
+        args = GradAccDPOConfig(
+            output_dir="out", per_device_train_batch_size=2, gradient_accumulation_steps=8, beta=0.1
+        )
         trainer = GradAccDPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=pairs,
                                     processing_class=tokenizer)
         trainer.train()
@@ -132,7 +134,8 @@ class GradAccDPOTrainer(GradAccMixin, DPOTrainer):
         return dataloader if dataloader is not None else super().get_train_dataloader()
 
     def training_step_context(self) -> contextlib.AbstractContextManager:
-        """TRL's activation offloading (``activation_offloading=True``) around each micro-batch's forward and backward."""
+        """TRL's activation offloading (``activation_offloading=True``) around each micro-batch's forward and
+        backward."""
         return self.maybe_activation_offload_context
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):

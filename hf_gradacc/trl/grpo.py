@@ -233,7 +233,8 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
         quantile = self.top_entropy_quantile
         if quantile < 1.0 and self._entropy_bonus_enabled:
             raise GradAccConfigError(
-                f"`top_entropy_quantile` ({quantile}) < 1 with an entropy bonus (`entropy_coef` / `use_adaptive_entropy`): "
+                f"`top_entropy_quantile` ({quantile}) < 1 with an entropy bonus (`entropy_coef` / "
+                "`use_adaptive_entropy`): "
                 "TRL's bonus is then a mean over the tokens above a quantile of each micro-batch's entropies, a count "
                 f"{name} cannot gather over the step. Set `top_entropy_quantile=1.0`, or turn the entropy bonus off."
             )
@@ -241,31 +242,37 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
             raise GradAccConfigError(
                 f"`top_entropy_quantile` ({quantile}) < 1 keeps the tokens above a quantile of ONE micro-batch's "
                 "entropies, so the step depends on how its completions are grouped (gradient_accumulation_steps="
-                f"{args.gradient_accumulation_steps}). Set `top_entropy_quantile=1.0`, or `gradient_accumulation_steps=1` "
+                f"{args.gradient_accumulation_steps}). Set `top_entropy_quantile=1.0`, or "
+                "`gradient_accumulation_steps=1` "
                 "(the quantile is then over the step's tokens, gathered over processes)."
             )
         if settings.regroups:
             raise GradAccConfigError(
-                f"`regroup_micro_batches` / `max_tokens_per_micro_batch` / `pack_micro_batches` is not supported by {name}: "
-                "GRPO's dataloader yields generation batches of prompts (TRL's RepeatSampler), whose completions exist "
+                "`regroup_micro_batches` / `max_tokens_per_micro_batch` / `pack_micro_batches` is not supported by "
+                f"{name}: "
+                "GRPO's dataloader yields generation batches of prompts (TRL's RepeatSampler), whose completions "
+                "exist "
                 "only after generation. Turn them off."
             )
         if settings.accumulation_schedule is not None:
             raise GradAccConfigError(
-                f"`accumulation_schedule` is not supported by {name}: TRL's generation cadence and its choice to keep the "
+                f"`accumulation_schedule` is not supported by {name}: TRL's generation cadence and its choice to keep "
+                "the "
                 "generation-time log-probabilities follow the fixed `gradient_accumulation_steps`. Remove "
                 "`accumulation_schedule`."
             )
 
     def _refuse_grpo_before_fused_head(self) -> None:
         """What GRPO reads from TRL's fused LM head (TRL >= 1.15), or from TRL >= 1.10's normalisers, refused on older
-        TRL naming the field: TRL 1.9 computes the entropies and the router loss inside ``_compute_loss``, out of reach."""
+        TRL naming the field: TRL 1.9 computes the entropies and the router loss inside ``_compute_loss``, out of
+        reach."""
         name = type(self).__name__
         if self._entropy_bonus_enabled:
             refuse_before(
                 TRL_FUSED_LM_HEAD,
                 f"{name}'s entropy bonus (`entropy_coef` / `use_adaptive_entropy`)",
-                "hf_gradacc reads the per-token entropies from the outputs of TRL's fused LM head to keep the bonus as its "
+                "hf_gradacc reads the per-token entropies from the outputs of TRL's fused LM head to keep the bonus "
+                "as its "
                 "own term over the step's tokens, and older TRL computes them from the logits inside its loss",
                 "Set `entropy_coef=0.0` and `use_adaptive_entropy=False`",
             )
@@ -273,7 +280,8 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
             refuse_before(
                 TRL_FUSED_LM_HEAD,
                 f"{name} with a mixture-of-experts router loss (`router_aux_loss_coef`)",
-                "hf_gradacc reads the router loss from the outputs of TRL's fused LM head to weight it by routed tokens, "
+                "hf_gradacc reads the router loss from the outputs of TRL's fused LM head to weight it by routed "
+                "tokens, "
                 "and older TRL computes it inside its loss",
                 "Set `router_aux_loss_coef=0.0`",
             )

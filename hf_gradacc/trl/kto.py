@@ -112,7 +112,8 @@ class GradAccKTOTrainer(GradAccMixin, KTOTrainer):
             )
 
     def training_step_context(self) -> contextlib.AbstractContextManager:
-        """TRL's activation offloading (``activation_offloading=True``) around each micro-batch's forward and backward."""
+        """TRL's activation offloading (``activation_offloading=True``) around each micro-batch's forward and
+        backward."""
         return self.maybe_activation_offload_context
 
     # ------------------------------------------------------------------ fetch: the window's KL estimate
@@ -200,7 +201,8 @@ def refuse_single_sample_micro_batches(args: Any) -> None:
     raise GradAccConfigError(
         f"`per_device_train_batch_size` is {args.per_device_train_batch_size} with KTO's loss_type "
         f"{args.loss_type!r}: TRL pairs each sample with the completion of its neighbour in the same micro-batch "
-        "(`KL_completion_ids`) for the KL estimate `z0`, so with one sample per micro-batch each sample is paired with "
+        "(`KL_completion_ids`) for the KL estimate `z0`, so with one sample per micro-batch each sample is paired "
+        "with "
         "its own completion and `z0` is its implied reward, not a KL estimate. Set `per_device_train_batch_size` to 2 "
         "or more (and lower `gradient_accumulation_steps` to keep the samples per optimizer step: the step is the "
         "same full-batch step in any split), or use `loss_type='apo_zero_unpaired'`, which has no KL estimate."

@@ -65,7 +65,8 @@ def refuse_single_generation(num_generations: Any) -> None:
     2 or more. Refused naming the field (TRL's RLOOConfig refuses 1 without naming it, and 0 divides by zero)."""
     if isinstance(num_generations, int) and num_generations < 2:
         raise GradAccConfigError(
-            f"`num_generations` is {num_generations}: RLOO's baseline for a completion is the mean reward of the OTHER "
+            f"`num_generations` is {num_generations}: RLOO's baseline for a completion is the mean reward of the "
+            "OTHER "
             "completions of its prompt, so every prompt needs at least 2. Set `num_generations` to 2 or more (the "
             "generation batch, `per_device_train_batch_size` x processes x `steps_per_generation`, must be divisible "
             "by it)."

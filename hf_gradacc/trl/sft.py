@@ -107,7 +107,8 @@ class GradAccSFTTrainer(GradAccMixin, SFTTrainer):
         return super().get_train_dataloader()
 
     def training_step_context(self) -> contextlib.AbstractContextManager:
-        """TRL's activation offloading (``activation_offloading=True``) around each micro-batch's forward and backward."""
+        """TRL's activation offloading (``activation_offloading=True``) around each micro-batch's forward and
+        backward."""
         return self.maybe_activation_offload_context
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -69,7 +69,8 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         ```
     """
     header = (
-        "| data | vocab | trainer | step time (median) | step time ratio vs stock (median of pairs) | total time ratio | "
+        "| data | vocab | trainer | step time (median) | step time ratio vs stock (median of pairs) | total time "
+        "ratio | "
         "step CPU time (median) | CPU time ratio (median of pairs) | total CPU time ratio | "
         "real tokens / s | computed / real tokens | LM-head rows per counted target | peak memory (first step "
         "included) | peak memory ratio | micro-batches / step | reductions / step | update diff vs GradAccTrainer |"
@@ -83,7 +84,8 @@ def format_table(rows: Sequence[BenchRow]) -> str:
             f"{r.step_time_ratio:.3f} | {r.total_time_ratio:.3f} | {r.median_step_cpu_time_s * 1e3:.0f} ms | "
             f"{r.cpu_time_ratio:.3f} | {r.total_cpu_time_ratio:.3f} | {r.real_tokens_per_s:,.0f} | "
             f"{r.computed_per_real_token:.3f} | {r.lm_head_rows_per_target:.2f} | "
-            f"{r.peak_memory_bytes / 2**20:,.1f} MiB | {r.peak_memory_ratio:.3f} | {r.micro_batches_per_step:.1f} | {reductions} | {diff} |"
+            f"{r.peak_memory_bytes / 2**20:,.1f} MiB | {r.peak_memory_ratio:.3f} | {r.micro_batches_per_step:.1f} | "
+            f"{reductions} | {diff} |"
         )
     moe = bench_moe.format_moe_comparison(rows)  # router_balance global_batch against micro_batch, where both rows ran
     return "\n".join(lines) + (f"\n\n{moe}" if moe else "")

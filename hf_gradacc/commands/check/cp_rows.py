@@ -16,7 +16,8 @@ deals one batch to every rank of a group: a step of ``gradient_accumulation_step
 
 Example:
     ```bash
-    accelerate launch --config_file examples/accelerate_configs/cp_fsdp2.yaml -m hf_gradacc check   # CP 2 x FSDP, 2 GPUs
+    # CP 2 x FSDP, 2 GPUs
+    accelerate launch --config_file examples/accelerate_configs/cp_fsdp2.yaml -m hf_gradacc check
     ```
 """
 
@@ -144,7 +145,8 @@ def context_parallel_trainer(trainer_class: type, cp_size: int) -> type:
             if model is not None and head != "causal_lm":
                 raise UnsupportedBackendError(
                     f"{type(unwrap_model(model)).__name__} (head `{head}`) cannot train under context parallelism "
-                    f"(`parallelism_config.cp_size` {cp_size}): each rank holds chunks of every sequence and attention "
+                    f"(`parallelism_config.cp_size` {cp_size}): each rank holds chunks of every sequence and "
+                    "attention "
                     "is forced causal, so only causal LMs train exactly (GradAccTrainer refuses the others by name)"
                 )
             super().__init__(*args, model=model, **kwargs)

@@ -286,7 +286,8 @@ def format_grpo_report(setup_lines: Sequence[str], check: GRPOCheck, tolerance: 
             "",
             _fill(
                 '(*) bnpo is defined on the split: TRL\'s docstring normalises it "over the local batch only" (one '
-                "micro-batch of one process). GradAccGRPOTrainer takes the whole step, over every process, as that batch "
+                "micro-batch of one process). GradAccGRPOTrainer takes the whole step, over every process, as that "
+                "batch "
                 f"(then bnpo is dapo). Stock TRL against the definition taken per micro-batch: "
                 f"{bnpo.stock_to_per_micro_batch:.1e} "
                 f"({'exact' if bnpo.stock_to_per_micro_batch <= tolerance else 'off'})."

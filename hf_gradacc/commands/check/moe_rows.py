@@ -1,6 +1,6 @@
-"""`hf-gradacc check --scenario moe_global`: one optimizer step of a tiny mixture-of-experts model three ways — the stock
-Trainer, GradAccTrainer with ``router_balance="micro_batch"`` and with ``"global_batch"`` — each against the float64
-reference of definition B (the load-balancing loss formed once over every routed token of the step,
+"""`hf-gradacc check --scenario moe_global`: one optimizer step of a tiny mixture-of-experts model three ways — the
+stock Trainer, GradAccTrainer with ``router_balance="micro_batch"`` and with ``"global_batch"`` — each against the
+float64 reference of definition B (the load-balancing loss formed once over every routed token of the step,
 :mod:`hf_gradacc.testing.moe_reference`).
 
 Example:
@@ -67,7 +67,8 @@ def moe_global_note(results: dict[str, Any], logs: dict[str, float]) -> str:
     micro, stock = results[MICRO_NAME], results[STOCK_NAME]
     routers = ", ".join(f"{name} {logs[f'router/{name}']:.2e}" for name in results if f"router/{name}" in logs)
     return (
-        "Every row is compared with definition B: the router load-balancing loss formed ONCE over the expert fractions "
+        "Every row is compared with definition B: the router load-balancing loss formed ONCE over the expert "
+        "fractions "
         "and router probabilities of every routed token of the step (router_balance='global_batch', docs/moe.md). "
         f"router_balance='micro_batch' (the default, the model's own per-forward rule weighted by routed tokens) is "
         f"{micro.relative_error:.2e} from it: a different loss, exact against its own definition (hf-gradacc check "

@@ -210,7 +210,8 @@ def format_heads_report(setup: Setup, rows: Sequence[HeadResult], tolerance: flo
     """The report of the default run: one row per head with the stock Trainer's and GradAccTrainer's verdict and
     relative error, the options that check the head alone, and how the stock step is off."""
     lines = [
-        "hf-gradacc check: one accumulated optimizer step per head, stock Trainer and GradAccTrainer, each against the",
+        "hf-gradacc check: one accumulated optimizer step per head, stock Trainer and GradAccTrainer, each against "
+        "the",
         "float64 gradient of one full batch of the same samples (built-in tiny models, synthetic mixed-length data)",
         "",
         *_setup_lines(setup, None),
@@ -235,10 +236,12 @@ def format_heads_report(setup: Setup, rows: Sequence[HeadResult], tolerance: flo
         f"{len(wrong)} of {len(ran)} heads. "
         + (
             "Even the plain causal LM is off: under sequence parallelism the stock Trainer computes the loss itself "
-            "(transformers' Ulysses loss, each micro-batch's mean over its targets, every micro-batch weighted alike), "
+            "(transformers' Ulysses loss, each micro-batch's mean over its targets, every micro-batch weighted "
+            "alike), "
             "not through num_items_in_batch. "
             if causal_lm_wrong and setup.mesh.startswith("SP")
-            else "Even the plain causal LM, whose loss takes num_items_in_batch, is off with this transformers version "
+            else "Even the plain causal LM, whose loss takes num_items_in_batch, is off with this transformers "
+            "version "
             "(transformers 5.6 divides it by another count than the step's targets). "
             if causal_lm_wrong
             else "It is exact only when the model's own loss takes num_items_in_batch (a causal LM with a `labels` "
@@ -263,7 +266,10 @@ def heads_summary_line(rows: Sequence[HeadResult], tolerance: float) -> str:
     skipped = len(rows) - len(ran)
     heads = f"{len(ran)} heads" + (f" that ran ({skipped} skipped)" if skipped else "")
     if not_exact:
-        head = f"hf-gradacc check: GradAccTrainer is NOT exact on {', '.join(not_exact)} (largest rel err {worst:.1e} > {tolerance:g})"
+        head = (
+            f"hf-gradacc check: GradAccTrainer is NOT exact on {', '.join(not_exact)} "
+            f"(largest rel err {worst:.1e} > {tolerance:g})"
+        )
     else:
         head = (
             f"hf-gradacc check: GradAccTrainer is exact on all {heads} (largest rel err {worst:.1e} <= {tolerance:g})"

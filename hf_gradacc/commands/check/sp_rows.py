@@ -72,7 +72,8 @@ def refuse_mesh_flags(opts: argparse.Namespace, scenarios: Sequence[str], where:
         if is_set:
             raise GradAccConfigError(
                 f"`{flag}` is not supported under {where}: the check runs one step of transformers' Trainer and "
-                f"GradAccTrainer on the built-in heads or a causal LM `--model`; drop the flag or launch without {lines}"
+                "GradAccTrainer on the built-in heads or a causal LM `--model`; drop the flag or launch without "
+                f"{lines}"
             )
 
 

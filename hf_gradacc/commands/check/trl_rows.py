@@ -144,7 +144,8 @@ def trl_stock_note(kind: str, stock: Any, tolerance: float, *, has_router: bool 
     if kind == "sft":
         if stock.is_exact(tolerance):
             return (
-                "TRL's SFTTrainer is exact here too: it divides each micro-batch's token sum by the step's token count, "
+                "TRL's SFTTrainer is exact here too: it divides each micro-batch's token sum by the step's token "
+                "count, "
                 "gathered over the processes. What hf_gradacc adds for SFT (a mixture-of-experts router term weighted "
                 "by routed tokens, `average_tokens_across_devices=False`, ...) is in docs/trl.md."
             )
