@@ -15,8 +15,7 @@ from .auxiliary import model_aux_terms
 from .checks import LossCheck, agree, check_builtin
 from .counting import LABEL_KEY, SHIFT_LABELS_KEY, MicroBatchCounts, input_token_count
 from .errors import GradAccConfigError, GradAccDataError, GradAccLossError
-from .fused.check_row import CheckRow, check_row
-from .fused.head import fused_causal_lm_sum, fused_row_check
+from .fused.head import CheckRow, check_row, fused_causal_lm_sum, fused_row_check
 from .heads import Head, unwrap_model
 from .loss import LossOutput, LossTerm, causal_targets, model_labels
 from .memory import is_out_of_memory

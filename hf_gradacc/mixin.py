@@ -457,7 +457,9 @@ class GradAccMixin:
         for num_batches in epoch_plan.num_batches:
             window = None
             try:
-                window = engine.open_window(iterator, num_batches)
+                streamed = self.gradacc.defer_normalization  # pulled as they run: nothing fetched ahead
+                batches = None if streamed else self.get_batch_samples(iterator, num_batches, args.device)[0]
+                window = engine.open_window(batches)
                 if rng_to_sync:  # the skipped batches drew from the RNG: restore the checkpoint's state now
                     self._load_rng_state(resume_from_checkpoint)
                     rng_to_sync = False

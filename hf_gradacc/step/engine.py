@@ -5,8 +5,8 @@ the backend with its mesh, the fused-head policy, the context-parallel group, th
 :class:`~hf_gradacc.step.host.TrainerHost`), and its Trainer hooks hand the step to it. For each optimizer step the
 mixin's epoch loop calls:
 
-1. :meth:`StepEngine.open_window`: this rank's micro-batches of the step, counted over every rank in one collective
-   (or a streamed window);
+1. :meth:`StepEngine.open_window`: this rank's micro-batches of the step (fetched by the trainer's
+   ``get_batch_samples``), counted over every rank in one collective (or a streamed window);
 2. :meth:`StepEngine.train_window`: the checks every rank takes together, then every micro-batch through the
    trainer's ``training_step`` inside the backend's sync context (:meth:`StepEngine.micro_batches`), which hands the
    micro-batch back to :meth:`StepEngine.micro_batch`: the loss, its normalisation by the step's global counts
@@ -203,13 +203,14 @@ class StepEngine:
         return window
 
     # ------------------------------------------------------------------ 1. open the step
-    def open_window(self, epoch_iterator: Iterator, num_batches: int) -> Window:
-        """The next optimizer step: prefetched and counted over all ranks (one collective), or streamed."""
+    def open_window(self, batches: list[Any] | None) -> Window:
+        """The next optimizer step: this rank's ``batches`` (what the trainer's ``get_batch_samples`` fetched)
+        counted over every rank in one collective; None: a streamed window (``defer_normalization``), whose
+        micro-batches are pulled as they run (:meth:`train_window`)."""
         host, world = self.host, self.backend.mesh.dp_world_size
-        if self.settings.defer_normalization:
+        if batches is None:
             window = Window.stream(dp_world_size=world)
         else:
-            batches, _ = host.get_batch_samples(epoch_iterator, num_batches, host.args.device)
             window = Window.prefetched(
                 batches,
                 count=self.count,

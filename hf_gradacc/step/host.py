@@ -3,7 +3,7 @@
 :class:`~hf_gradacc.step.engine.StepEngine` never reads a trainer's fields by name outside :class:`TrainerHost`.
 The members are the Trainer's public run state (``args``, ``state``, ``control``, the callback handler, the
 accelerator, the model, the optimizer and its scheduler) and the hooks users and other libraries override
-(``get_batch_samples``, ``training_step``, ``compute_loss``, ``floating_point_ops``), plus the few private Trainer
+(``training_step``, ``compute_loss``, ``floating_point_ops``), plus the few private Trainer
 members the step rests on, each checked at construction by :mod:`hf_gradacc.compat`.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -32,9 +31,6 @@ class TrainerHost(Protocol):
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
     current_gradient_accumulation_steps: int
-
-    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
-        """The next micro-batches of this rank (an override point: TRL's on-policy trainers generate here)."""
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """One micro-batch's forward and backward (an override point: custom training steps)."""

@@ -1,5 +1,5 @@
 """The fused LM head's start-up check runs the model's own full-logits forward on ONE row; that row is cut after its
-first CHECK_TARGETS counted targets (hf_gradacc/fused/check_row.py), so a packed or regrouped micro-batch of long
+first CHECK_TARGETS counted targets (hf_gradacc/fused/head.py, `check_row`), so a packed or regrouped micro-batch of long
 prompts does not project its whole width at full vocabulary (docs/benchmarks.md, vocabulary 151,936)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
-from hf_gradacc.fused.check_row import CHECK_TARGETS, check_row
+from hf_gradacc.fused.head import CHECK_TARGETS, check_row
 from hf_gradacc.testing.one_step import compare_with_reference, one_step_args, one_step_update
 from hf_gradacc.testing.tiny import VOCAB_SIZE, build_tiny_model
 
