@@ -198,6 +198,19 @@ class Head:
             return None
         return infer_problem_type(self.num_labels, labels, self.problem_type)
 
+    def count(self, batch: Mapping[str, Any]) -> Any:
+        """The counts of ``batch`` for this head (a :class:`~hf_gradacc.counting.MicroBatchCounts`), after its label
+        checks: what :class:`hf_gradacc.counting.Counter` decides, the one place that counts.
+
+        Example:
+            ```python
+            trainer.head.count(batch).get("tokens")   # the micro-batch's counted target tokens
+            ```
+        """
+        from .counting import Counter
+
+        return Counter(self).count_batch(batch)
+
     def check_batch(self, batch: Mapping[str, Any]) -> None:
         """The checks every micro-batch passes before it is counted (:class:`~hf_gradacc.counting.Counter`): its
         labels (:meth:`check_labels`), and a warning for rows trained on positions the model does not attend to."""
