@@ -224,6 +224,18 @@ class GradAccArguments:
         },
     )
 
+    total_train_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Samples per optimizer step over every data-parallel rank, held across restarts on another number "
+            "of processes (elastic and preemptible training): `gradient_accumulation_steps` is derived at every "
+            "(re)start as total / (`per_device_train_batch_size` x data-parallel ranks), and must come out whole "
+            "(otherwise GradAccConfigError naming the nearest totals that fit). A resume on another world size trains "
+            "the samples the uninterrupted run would have. None (default): `gradient_accumulation_steps` as given. "
+            "See docs/elastic.md."
+        },
+    )
+
     resume_data_mismatch: str = field(
         default="error",
         metadata={
@@ -338,6 +350,7 @@ class GradAccSettings:
     accumulation_schedule: AccumulationSchedule | None = None
     lr_scaling: LrScaling = "none"
     resume_data_mismatch: ResumeDataMismatch = "error"
+    total_train_batch_size: int | None = None
     router_balance: RouterBalance = "micro_batch"
 
     @property
@@ -447,6 +460,7 @@ def resolve_settings(args: TrainingArguments | GradAccArguments, overrides: Any 
         )
     _check_batchnorm(settings)
     settings = _resolve_schedule(settings, args)
+    _check_total_train_batch_size(settings, args)
 
     if isinstance(args, TrainingArguments):
         _check_training_arguments(args, settings)
@@ -515,3 +529,132 @@ def _resolve_schedule(settings: GradAccSettings, args: Any) -> GradAccSettings:
             "`gradient_accumulation_steps`: turn one of them off."
         )
     return dataclasses.replace(settings, accumulation_schedule=schedule)
+
+
+def _check_total_train_batch_size(settings: GradAccSettings, args: Any) -> None:
+    total = settings.total_train_batch_size
+    if total is None:
+        return
+    if not isinstance(total, int) or isinstance(total, bool) or total < 1:
+        raise GradAccConfigError(f"`total_train_batch_size` ({total!r}) must be None or an int >= 1")
+    if settings.accumulation_schedule is not None:
+        raise GradAccConfigError(
+            f"`total_train_batch_size` ({total}) cannot be combined with `accumulation_schedule` "
+            f"({str(settings.accumulation_schedule)!r}): the schedule sets the accumulation of each step, the total "
+            "derives one accumulation for the whole run. Turn one of them off."
+        )
+    if getattr(args, "auto_find_batch_size", False):
+        raise GradAccConfigError(
+            f"`total_train_batch_size` ({total}) cannot be combined with `auto_find_batch_size=True`, which shrinks "
+            "the per-device batch after the accumulation was derived (the step would cover fewer samples). Set "
+            "`auto_find_batch_size=False`, or use `auto_micro_batch=True` (same samples per step, smaller "
+            "micro-batches on out-of-memory)."
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GlobalBatch:
+    """``total_train_batch_size`` resolved on this (re)start: ``total = micro_batch x accumulation x data_ranks``.
+
+    Attributes:
+        total: ``total_train_batch_size``, samples per optimizer step over every data-parallel rank.
+        micro_batch: samples per micro-batch per process (`TrainingArguments.train_batch_size`).
+        data_ranks: ranks holding different samples (the mesh's ``data_parallel_size``: not the tensor-, context- or
+            sequence-parallel ranks).
+        accumulation: the derived ``gradient_accumulation_steps``.
+        given: ``gradient_accumulation_steps`` as the arguments gave it (replaced by ``accumulation``).
+    """
+
+    total: int
+    micro_batch: int
+    data_ranks: int
+    accumulation: int
+    given: int
+
+    def describe(self) -> str:
+        """``"total_train_batch_size 16 = 2 per device x GA 4 x 2 data ranks"``."""
+        return (
+            f"total_train_batch_size {self.total} = {self.micro_batch} per device x GA {self.accumulation} x "
+            f"{self.data_ranks} data rank{'s' if self.data_ranks != 1 else ''}"
+        )
+
+
+def accumulation_for_total(total: int, *, micro_batch: int, data_ranks: int) -> int:
+    """The ``gradient_accumulation_steps`` that makes ``micro_batch`` x GA x ``data_ranks`` = ``total``.
+
+    Ranks never take unequal numbers of micro-batches: a total that is not a multiple of ``micro_batch`` x
+    ``data_ranks`` raises :class:`~hf_gradacc.GradAccConfigError` naming the value, the field, the nearest totals
+    that fit this world and the data-rank counts on which this total fits.
+
+    Example:
+        ```python
+        accumulation_for_total(16, micro_batch=2, data_ranks=2)   # 4
+        accumulation_for_total(16, micro_batch=2, data_ranks=1)   # 8
+        accumulation_for_total(16, micro_batch=2, data_ranks=3)   # GradAccConfigError: ... 12 or 18 ...
+        ```
+    """
+    per_step = micro_batch * data_ranks
+    if total % per_step == 0:
+        return total // per_step
+    below, above = (total // per_step) * per_step, (total // per_step + 1) * per_step
+    nearest = f"{below} (GA {below // per_step}) or {above} (GA {above // per_step})" if below else f"{above} (GA 1)"
+    fits = ""
+    if total % micro_batch == 0:
+        ranks = [d for d in range(1, total // micro_batch + 1) if (total // micro_batch) % d == 0]
+        fits = f"; {total} fits on {_listed(ranks)} data ranks at this per-device batch"
+    raise GradAccConfigError(
+        f"`total_train_batch_size` ({total}) is not a multiple of `per_device_train_batch_size` x data-parallel "
+        f"ranks ({micro_batch} x {data_ranks} = {per_step}): every rank takes the same number of micro-batches, so "
+        f"no `gradient_accumulation_steps` gives {total} samples per step on this world. The nearest totals that fit "
+        f"are {nearest}{fits}. Change `total_train_batch_size`, `per_device_train_batch_size` or the number of "
+        "processes."
+    )
+
+
+def _listed(values: list[int]) -> str:
+    shown = [str(v) for v in values[:8]] + (["..."] if len(values) > 8 else [])
+    return ", ".join(shown[:-1]) + " or " + shown[-1] if len(shown) > 1 else shown[0]
+
+
+_GIVEN_ACCUMULATION = "_hf_gradacc_given_accumulation"  # on the arguments: the GA they had before the first derivation
+
+
+def given_accumulation(args: Any) -> int:
+    """``gradient_accumulation_steps`` as the arguments were given it, before ``total_train_batch_size`` replaced it
+    (:func:`hold_total_train_batch_size`); the current value when nothing was derived."""
+    return args.__dict__.get(_GIVEN_ACCUMULATION, args.gradient_accumulation_steps)
+
+
+def hold_total_train_batch_size(args: Any, settings: GradAccSettings, *, data_ranks: int) -> GlobalBatch | None:
+    """With ``total_train_batch_size``: set ``args.gradient_accumulation_steps`` to the accumulation that gives that
+    many samples per step on ``data_ranks`` (the mesh's ``data_parallel_size``), before anything reads it (the
+    backend's DeepSpeed config, the run's length, the scheduler, the logs), and return what was derived (logged at
+    INFO). A ``gradient_accumulation_steps`` other than 1 (its default) that differs is replaced, with a warning
+    naming both. Deriving again with the same arguments (another trainer, a restart) starts from the value they
+    were given. None without ``total_train_batch_size``.
+
+    Example:
+        ```python
+        args = GradAccConfig("out", per_device_train_batch_size=2, total_train_batch_size=16)
+        hold_total_train_batch_size(args, resolve_settings(args), data_ranks=2).accumulation   # 4
+        args.gradient_accumulation_steps                                                        # 4
+        ```
+    """
+    total = settings.total_train_batch_size
+    if total is None:
+        return None
+    given = args.__dict__.setdefault(_GIVEN_ACCUMULATION, args.gradient_accumulation_steps)
+    micro_batch = int(args.train_batch_size)
+    accumulation = accumulation_for_total(total, micro_batch=micro_batch, data_ranks=data_ranks)
+    held = GlobalBatch(
+        total=total, micro_batch=micro_batch, data_ranks=data_ranks, accumulation=accumulation, given=given
+    )
+    if given not in (1, accumulation):
+        logger.warning_once(
+            f"`gradient_accumulation_steps` ({given}) is replaced by {accumulation}: `total_train_batch_size` "
+            f"({total}) sets the accumulation on every (re)start ({held.describe()}). Drop "
+            "`gradient_accumulation_steps`, or `total_train_batch_size` to keep the accumulation fixed."
+        )
+    args.gradient_accumulation_steps = accumulation
+    logger.info(f"hf_gradacc: {held.describe()} (derived from `total_train_batch_size`)")
+    return held

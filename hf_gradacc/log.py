@@ -82,6 +82,9 @@ def active_line(trainer: Any) -> str:
         if settings.accumulation_schedule is not None
         else f"GA {trainer.args.gradient_accumulation_steps}"
     )
+    held = getattr(trainer, "global_batch", None)
+    if held is not None:
+        accumulation += f" (total_train_batch_size {held.total} over {held.data_ranks} data ranks)"
     return (
         f"hf_gradacc: exact gradient accumulation, {backend.describe()}, {family}, {accumulation} x "
         f"{backend.mesh.dp_world_size} ranks, count by {head.denominator()}"

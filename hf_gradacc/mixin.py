@@ -30,6 +30,7 @@ from .backends import Backend, resolve_backend
 from .backends.context_parallel import context_parallel_for
 from .backends.distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
 from .backends.fsdp2 import warn_if_no_full_model
+from .backends.mesh import mesh_from_accelerator
 from .callbacks.batchnorm import batchnorm_callback_for
 from .callbacks.callback import GradAccCallback
 from .checkpoints import (
@@ -42,7 +43,7 @@ from .checkpoints import (
     restore_weights,
 )
 from .compat import check_trainer_class
-from .config import GradAccArguments, GradAccSettings, resolve_settings
+from .config import GlobalBatch, GradAccArguments, GradAccSettings, hold_total_train_batch_size, resolve_settings
 from .counting import LABEL_KEY, Counter, SeenTokens
 from .data.loader import (
     TrainData,
@@ -139,6 +140,15 @@ class GradAccMixin:
             # take them: the built-in loss is computed from them.
             self.label_names = [*self.label_names, LABEL_KEY]
         self._keep_weights_column()
+        # total_train_batch_size: GA derived from the data ranks present, before the backend, the run's length, the
+        # scheduler and the logs read it (on every (re)start, whatever the world)
+        self.global_batch: GlobalBatch | None = hold_total_train_batch_size(
+            self.args,
+            settings,
+            data_ranks=mesh_from_accelerator(self.accelerator, self.model).data_parallel_size
+            if settings.total_train_batch_size is not None
+            else 1,
+        )
         multi_backward = (
             settings.backward_per_term
             or source.custom_training_step

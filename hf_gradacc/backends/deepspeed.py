@@ -116,6 +116,27 @@ def check_deepspeed_config(
     return config
 
 
+def release_derived_batch(config: dict[str, Any], args: TrainingArguments, num_processes: int) -> None:
+    """Under ``total_train_batch_size``: the DeepSpeed config's ``gradient_accumulation_steps`` and
+    ``train_batch_size`` that transformers filled from the arguments' ``gradient_accumulation_steps`` as GIVEN
+    (``"auto"`` filled before the accumulation was derived) go back to ``"auto"``, so that
+    :func:`check_deepspeed_config` fills them with the derived accumulation. Values that differ were written by the
+    user and are checked as usual (an error naming both).
+
+    Example:
+        ```python
+        config = {"gradient_accumulation_steps": 1, "train_batch_size": 4}  # filled with the given GA 1, 2 x 2 ranks
+        release_derived_batch(config, args, num_processes=2)               # both "auto" again
+        ```
+    """
+    from ..config import given_accumulation
+
+    given, micro = given_accumulation(args), args.per_device_train_batch_size
+    for key, filled in (("gradient_accumulation_steps", given), ("train_batch_size", micro * given * num_processes)):
+        if _is_set(config.get(key)) and int(config[key]) == filled:
+            config[key] = "auto"
+
+
 def check_client_optimizer(optimizer: Any) -> None:
     """Raise when DeepSpeed cannot step ``optimizer`` the way GradAccTrainer needs (one ``step()`` per window).
 
@@ -220,6 +241,8 @@ class DeepSpeedBackend(Backend):
         plugin = accelerator.state.deepspeed_plugin
         if plugin is None:
             raise UnsupportedBackendError("accelerate reports DeepSpeed but holds no DeepSpeed plugin (config).")
+        if self.settings.total_train_batch_size is not None:
+            release_derived_batch(plugin.deepspeed_config, args, accelerator.num_processes)
         check_deepspeed_config(plugin.deepspeed_config, args, accelerator.num_processes, self.sequence_parallel_size)
         self.zero_stage: int = int(plugin.deepspeed_config["zero_optimization"]["stage"])
         if self.zero_stage == 3 and self.sequence_parallel_size > 1:

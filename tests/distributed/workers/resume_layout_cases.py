@@ -79,12 +79,13 @@ def train_run(
     num_samples: int = NUM_SAMPLES,
     seed: int = 0,
     mismatch: str = "error",
+    task: str = "causal_lm",
     **overrides: Any,
 ) -> dict[str, Any]:
     """One run (fresh, or resumed from ``resume``) on this process's ranks; what :class:`SampleRecorder` saw and
-    what the trainer logged."""
+    what the trainer logged. ``task``: the tiny model's head (:data:`~hf_gradacc.testing.tiny.TASKS`)."""
     torch.set_num_threads(1)
-    samples = make_samples("causal_lm", num_samples, seed=11)
+    samples = make_samples(task, num_samples, seed=11)
     recorder = SampleRecorder(samples)
     extra: dict[str, Any] = (
         {"ddp_backend": "gloo", "ddp_timeout": 120} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}
@@ -99,7 +100,7 @@ def train_run(
         **{**settings, **extra, **overrides},
     )
     trainer = GradAccTrainer(
-        model=build_tiny_model("causal_lm", seed=0), args=args, train_dataset=ListDataset(samples),
+        model=build_tiny_model(task, seed=0), args=args, train_dataset=ListDataset(samples),
         data_collator=PaddingCollator(), callbacks=[recorder],
     )  # fmt: skip
     warnings = _Warnings()
@@ -116,6 +117,8 @@ def train_run(
         "step_losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "learning_rates": [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h],
         "params": {n: p.detach().cpu().tolist() for n, p in trainer.model.named_parameters()},
+        "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+        "max_steps": trainer.state.max_steps,
     }
 
 
