@@ -2,12 +2,16 @@
 LM, saving every step, and record which samples each optimizer step trained.
 
     python resume_layout_cases.py --name run --out DIR --batch 2 --ga 2 [--resume DIR/checkpoint-2] [--loss-check]
+    python resume_layout_cases.py --name run --out DIR --batch 2 --ga 1 --total 12 --tasks causal_lm,...
+        [--resume DIR/{task}/checkpoint-1] [--num-samples 36]
 
 One launch is one run, on as many ranks as the launcher starts: a fresh run into ``--out``, or a resume from
 ``--resume`` with this launch's layout (batch, GA, schedule, world size). Samples are told apart by their
 ``input_ids`` (all different). One JSON result per rank (``--name``): the steps with every rank's sample indices,
 the warnings, the final ``global_step``, ``train_loss`` and the per-step logged losses; with ``--loss-check`` also
-two 2-step runs, every step logged and none logged during training, whose ``train_loss`` must agree.
+two 2-step runs, every step logged and none logged during training, whose ``train_loss`` must agree. With
+``--total`` (``total_train_batch_size``, linear learning-rate decay): one run per head of ``--tasks`` into
+``DIR/<task>``, one JSON result per rank keyed by task (``tests/distributed/test_total_train_batch_size.py``).
 """
 
 from __future__ import annotations
@@ -133,8 +137,24 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--loss-check", action="store_true", help="then the two runs of the train_loss check")
+    parser.add_argument("--total", type=int, default=None, help="total_train_batch_size: one run per --tasks")
+    parser.add_argument("--tasks", default="causal_lm", help="with --total: comma-separated tiny-model heads")
+    parser.add_argument("--num-samples", type=int, default=NUM_SAMPLES)
     options = parser.parse_args()
     try:
+        if options.total is not None:  # tests/distributed/test_total_train_batch_size.py: a run per head
+            payload = {
+                task: train_run(
+                    os.path.join(options.out, task), batch=options.batch, ga=options.ga, task=task,
+                    resume=None if options.resume is None else options.resume.format(task=task),
+                    num_samples=options.num_samples, total_train_batch_size=options.total,
+                    lr_scheduler_type="linear",
+                )  # fmt: skip
+                for task in options.tasks.split(",")
+            }
+            write_result(options.name, payload)
+            finish_worker()
+            return
         payload = train_run(
             options.out, batch=options.batch, ga=options.ga, epochs=options.epochs, resume=options.resume
         )
