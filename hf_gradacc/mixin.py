@@ -362,6 +362,8 @@ class GradAccMixin:
             mismatch=self.gradacc.resume_data_mismatch,
             blocker=prefix_blocker(self.args, self.train_dataset),
         )
+        if isinstance(resume_from_checkpoint, str):  # before anything is loaded: a ZeRO state on another world
+            self.backend.check_resume(resume_from_checkpoint)
         plan.resume_at = plan.data_position = None  # set once the run's layout is known / after each step
         with self.step_engine.keeping_buffers():  # the fused head's weight-gradient buffer kept from window to window
             return super().train(resume_from_checkpoint, *args, **kwargs)

@@ -85,6 +85,11 @@ class Backend:
             model, getattr(self, "args", None)
         )  # refuses pipeline parallelism; warns of unresumable saves
 
+    def check_resume(self, folder: str) -> None:
+        """Raise a clear error, when ``train()`` starts and before anything is loaded, for a checkpoint this backend
+        cannot load on this run's ranks (every rank takes the same verdict). Nothing to check here: DDP and FSDP2
+        checkpoints (full state dicts, or torch DCP) load on any number of processes."""
+
     def kind(self) -> str:
         """Short name of the distributed setup, e.g. ``MULTI_CPU``, ``DeepSpeed ZeRO-2``, ``FSDP2``."""
         return str(self.accelerator.state.distributed_type).split(".")[-1]

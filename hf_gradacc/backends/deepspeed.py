@@ -137,6 +137,52 @@ def release_derived_batch(config: dict[str, Any], args: TrainingArguments, num_p
             config[key] = "auto"
 
 
+def zero_resume_problem(folder: str, *, data_ranks: int, config: dict[str, Any]) -> str | None:
+    """Why the ZeRO checkpoint in ``folder`` (a Trainer checkpoint: ``latest`` names its ``global_stepN``) cannot be
+    loaded on ``data_ranks`` ranks with ``config``; None when it can (or holds no ZeRO state).
+
+    Example:
+        ```python
+        zero_resume_problem("out/checkpoint-1", data_ranks=1, config={"zero_optimization": {"stage": 2}})
+        # "Resuming 'out/checkpoint-1' on 1 data rank: its DeepSpeed ZeRO optimizer state is partitioned over 2 ..."
+        ```
+    """
+    import glob
+    import os
+
+    if not os.path.isfile(os.path.join(folder, "latest")):
+        return None  # no DeepSpeed state (the Trainer's own checks name what is missing)
+    with open(os.path.join(folder, "latest")) as f:
+        step_dir = os.path.join(folder, f.read().strip())
+    saved = len(glob.glob(os.path.join(step_dir, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
+    if (config.get("checkpoint") or {}).get("load_universal", False):
+        if os.path.isfile(os.path.join(folder, "latest_universal")):
+            return None  # DeepSpeed's universal checkpoint loads on any number of ranks
+        cause = (
+            f"the DeepSpeed config sets `checkpoint.load_universal` but {folder!r} holds no universal checkpoint "
+            "(no `latest_universal`)"
+        )
+    elif saved in (0, data_ranks):
+        return None
+    else:
+        cause = (
+            f"its DeepSpeed ZeRO optimizer state is partitioned over {saved} data ranks and DeepSpeed loads it only "
+            f"on {saved}"
+        )
+    command = (
+        f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {step_dir} --output_folder "
+        f"{step_dir}_universal --inject_missing_state"
+    )
+    ranks = f"{data_ranks} data rank{'s' if data_ranks != 1 else ''}"
+    same = f"{saved} data ranks" if saved else "the number of data ranks that saved it"
+    return (
+        f"Resuming {folder!r} on {ranks}: {cause}. Convert it once into DeepSpeed's universal checkpoint "
+        f"(`{command}`; it writes `latest_universal` beside `latest`; Adam-family optimizers only) and add "
+        '`"checkpoint": {"load_universal": true}` to the DeepSpeed config (`deepspeed=` in TrainingArguments, or the '
+        f"accelerate config's `deepspeed_config_file`), or resume on {same}. See docs/elastic.md."
+    )
+
+
 def check_client_optimizer(optimizer: Any) -> None:
     """Raise when DeepSpeed cannot step ``optimizer`` the way GradAccTrainer needs (one ``step()`` per window).
 
@@ -255,6 +301,24 @@ class DeepSpeedBackend(Backend):
             )
         self.engine: Any = None
         self._window_reduction: contextlib.ExitStack | None = None
+
+    def check_resume(self, folder: str) -> None:
+        """A ZeRO checkpoint partitions the optimizer state per data rank: DeepSpeed loads it only on the number of
+        ranks that saved it (it raises ``ZeRORuntimeException`` after the engine is built otherwise). Refused here,
+        before anything is loaded, naming DeepSpeed's universal checkpoint (``ds_to_universal`` and the
+        ``checkpoint.load_universal`` config), unless the config asks for it and the folder holds it. The verdict is
+        summed over every rank (a rank whose disk differs stops every rank, never one alone)."""
+        problem = zero_resume_problem(
+            folder,
+            data_ranks=self.mesh.data_parallel_size,
+            config=self.accelerator.state.deepspeed_plugin.deepspeed_config,
+        )
+        refused = self.sum_over_processes(torch.tensor([float(problem is not None)]))
+        if refused.item() > 0:
+            raise GradAccConfigError(
+                problem
+                or f"Resuming {folder!r} with DeepSpeed is refused on another rank (its checkpoint files differ)."
+            )
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Under Ulysses sequence parallelism, only token-level causal LMs: DeepSpeed's adapter cuts every batch

@@ -1,53 +1,70 @@
 """``total_train_batch_size`` across a change of world size: a run stopped on 2 processes and resumed on 1 and on 3,
 with the same arguments, trains the samples the uninterrupted 2-process run trained in each step and ends on its
-weights (relative to the parameter change, <= 1e-5), with its ``max_steps`` and learning rates.
+weights (relative to the parameter change, <= 1e-5), with its ``max_steps`` and learning rates; on DDP, FSDP2 and
+DeepSpeed ZeRO-2.
 
-Run A: 2 DDP ranks, 36 samples, per-device batch 2, ``total_train_batch_size=12`` (GA 3), linear decay, 3 steps, a
+Run A: 2 ranks, 36 samples, per-device batch 2, ``total_train_batch_size=12`` (GA 3), linear decay, 3 steps, a
 checkpoint after each; a causal LM and a sequence classifier (one launch, a run per head:
-:mod:`workers.resume_layout_cases`). Its checkpoint-1 is resumed with the same arguments on 1 process (GA 6, in the
-test's own process) and on 3 ranks (GA 2). A total the new world cannot hold (12 on 5 data ranks of 2) is refused at
-construction, naming the totals that fit (``tests/unit/test_total_train_batch_size.py``).
+:mod:`workers.resume_layout_cases`). Its checkpoint-1 is resumed with the same arguments on 1 process (GA 6) and on
+3 ranks (GA 2).
+
+- DDP (SGD with momentum): the 1-process resume in the test's own process.
+- FSDP2 with ``state_dict_type: SHARDED_STATE_DICT`` (torch DCP: the model and the momentum saved in 2 shards, loaded
+  into 1 and 3). The Trainer's default ``FULL_STATE_DICT`` (full tensors, no resharding) is covered by the same path.
+- ZeRO-2 (AdamW): its optimizer state is partitioned per rank and DeepSpeed loads it only on the world that saved it.
+  The resume on 1 process is refused when ``train()`` starts, before anything is loaded, naming DeepSpeed's
+  ``ds_to_universal`` command and the ``checkpoint.load_universal`` config; the command run as printed, then the
+  resume with ``load_universal`` on 1 and on 3 ranks is exact.
+
+A total the new world cannot hold (12 on 5 data ranks of 2) is refused at construction, naming the totals that fit
+(``tests/unit/test_total_train_batch_size.py``).
 """
 
 from __future__ import annotations
 
+import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_gradacc.testing.tiny import build_tiny_model
-from tests.distributed.launcher import run_workers
-from tests.distributed.workers.resume_layout_cases import train_run
+from tests.distributed.launcher import launch_env, run_workers
+from tests.distributed.workers.resume_layout_cases import TOTAL_RUN, train_run
 
 WORKER = Path(__file__).resolve().parent / "workers" / "resume_layout_cases.py"
 TASKS = ("causal_lm", "sequence_classification")
 TOTAL, BATCH, NUM_SAMPLES = 12, 2, 36  # 12 = 2 x GA 6 x 1 = 2 x 3 x 2 = 2 x 2 x 3: 3 steps
+ACCUMULATION = {1: 6, 2: 3, 3: 2}
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _launch(tmp: Path, name: str, nproc: int, *args: str) -> list[dict]:
+def _launch(tmp: Path, name: str, nproc: int, backend: str, *args: str, check: bool = True) -> list[dict]:
     result = run_workers(
         WORKER,
         nproc=nproc,
         args=["--name", name, "--batch", str(BATCH), "--ga", "1", "--total", str(TOTAL), "--tasks", ",".join(TASKS),
-              "--num-samples", str(NUM_SAMPLES), *args],
-        timeout=300,
+              "--num-samples", str(NUM_SAMPLES), "--backend", backend, *args],
+        timeout=400,
         out_dir=tmp / "results",
+        check=check,
     )  # fmt: skip
     ranks = result.load(name)
     for r, payload in enumerate(ranks):
-        if "error" in payload:
+        if check and "error" in payload:
             pytest.fail(f"rank {r} failed:\n{payload['error']}", pytrace=False)
     return ranks
 
 
-@pytest.fixture(scope="module")
-def run_a(tmp_path_factory) -> tuple[Path, dict]:
+@pytest.fixture(scope="module", params=["ddp", "fsdp2_sharded", "zero2"])
+def run_a(request, tmp_path_factory) -> tuple[str, Path, dict]:
     """The uninterrupted 2-process run, one per head (rank 0's result)."""
-    tmp = tmp_path_factory.mktemp("a")
-    return tmp, _launch(tmp, "a", 2, "--out", str(tmp / "a"))[0]
+    tmp = tmp_path_factory.mktemp(f"a_{request.param}")
+    return request.param, tmp, _launch(tmp, "a", 2, request.param, "--out", str(tmp / "a"))[0]
 
 
 def relative_change_error(params: dict, reference: dict, task: str) -> float:
@@ -58,34 +75,61 @@ def relative_change_error(params: dict, reference: dict, task: str) -> float:
     return float((num / den).sqrt())
 
 
-def _assert_like_a(a: dict, b: dict, task: str, accumulation: int) -> float:
-    assert a["gradient_accumulation_steps"] == 3 and b["gradient_accumulation_steps"] == accumulation
+def _assert_like_a(a: dict, b: dict, task: str, world: int) -> float:
+    assert a["gradient_accumulation_steps"] == 3 and b["gradient_accumulation_steps"] == ACCUMULATION[world]
     assert a["max_steps"] == b["max_steps"] == 3 and b["global_step"] == 3
     assert [len(ids) for _, ids in a["steps"]] == [TOTAL] * 3
     assert [(step, sorted(ids)) for step, ids in b["steps"]] == [(s, sorted(i)) for s, i in a["steps"] if s >= 1]
     assert b["learning_rates"] == pytest.approx(a["learning_rates"], rel=1e-7)  # the history holds step 1 too
+    layout = [m for m in b["warnings"] if f"world_size 2 -> {world}" in m]
+    assert len(layout) == 1 and f"gradient_accumulation_steps 3 -> {ACCUMULATION[world]}" in layout[0], b["warnings"]
     error = relative_change_error(b["params"], a["params"], task)
     assert error <= 1e-5, (task, error)
     return error
 
 
-@pytest.mark.parametrize("task", TASKS)
-def test_resumed_on_1_process_equals_the_2_process_run(run_a, task, tmp_path) -> None:
-    tmp, a = run_a
-    b = train_run(
-        str(tmp_path / task), batch=BATCH, ga=1, task=task, num_samples=NUM_SAMPLES, total_train_batch_size=TOTAL,
-        lr_scheduler_type="linear", resume=str(tmp / "a" / task / "checkpoint-1"),
-    )  # fmt: skip
-    print(f"\n{task} 2 -> 1: {_assert_like_a(a[task], b, task, accumulation=6):.2e}")
-    found = [m for m in b["warnings"] if "world_size 2 -> 1" in m]
-    assert len(found) == 1 and "gradient_accumulation_steps 3 -> 6" in found[0], b["warnings"]
+def _to_universal(tmp: Path, tmp_path: Path) -> str:
+    """ZeRO-2: the resume on 1 process refused by name; DeepSpeed's command from the message run as printed for
+    each head's checkpoint-1. The backend that loads the universal checkpoint."""
+    ranks = _launch(tmp_path, "refused", 1, "zero2", "--out", str(tmp_path / "refused"),
+                    "--resume", str(tmp / "a" / "{task}" / "checkpoint-1"), check=False)  # fmt: skip
+    message = ranks[0].get("error", "")
+    assert "GradAccConfigError" in message and "partitioned over 2 data ranks" in message, message
+    assert '`"checkpoint": {"load_universal": true}`' in message, message
+    assert "ZeRORuntimeException" not in message, message  # refused before DeepSpeed loads anything
+    command = re.search(r"`(python -m deepspeed\.checkpoint\.ds_to_universal [^`]+)`", message)
+    assert command is not None, message
+    for task in TASKS:
+        line = command.group(1).replace(str(tmp / "a" / TASKS[0]), str(tmp / "a" / task)).split()
+        subprocess.run([sys.executable, *line[1:]], check=True, env=launch_env(), capture_output=True, timeout=300)
+        assert (tmp / "a" / task / "checkpoint-1" / "latest_universal").is_file(), shlex.join(line)
+    return "zero2_universal"
+
+
+def test_resumed_on_1_process_equals_the_2_process_run(run_a, tmp_path) -> None:
+    backend, tmp, a = run_a
+    resume = str(tmp / "a" / "{task}" / "checkpoint-1")
+    if backend == "ddp":
+        b = {
+            task: train_run(str(tmp_path / task), batch=BATCH, ga=1, task=task, num_samples=NUM_SAMPLES,
+                            total_train_batch_size=TOTAL, resume=resume.format(task=task), **TOTAL_RUN)
+            for task in TASKS
+        }  # fmt: skip
+    else:
+        if backend == "zero2":
+            backend = _to_universal(tmp, tmp_path)
+        b = _launch(tmp_path, "b", 1, backend, "--out", str(tmp_path / "b"), "--resume", resume)[0]
+    for task in TASKS:
+        print(f"\n{run_a[0]} {task} 2 -> 1: {_assert_like_a(a[task], b[task], task, world=1):.2e}")
 
 
 def test_resumed_on_3_processes_equals_the_2_process_run(run_a, tmp_path) -> None:
-    tmp, a = run_a
-    ranks = _launch(
-        tmp_path, "c", 3, "--out", str(tmp_path / "c"), "--resume", str(tmp / "a" / "{task}" / "checkpoint-1")
-    )
-    for c in ranks:
+    backend, tmp, a = run_a
+    if backend == "zero2":
+        if not (tmp / "a" / TASKS[0] / "checkpoint-1" / "latest_universal").is_file():
+            _to_universal(tmp, tmp_path)
+        backend = "zero2_universal"
+    resume = str(tmp / "a" / "{task}" / "checkpoint-1")
+    for c in _launch(tmp_path, "c", 3, backend, "--out", str(tmp_path / "c"), "--resume", resume):
         for task in TASKS:
-            print(f"\n{task} 2 -> 3: {_assert_like_a(a[task], c[task], task, accumulation=2):.2e}")
+            print(f"\n{run_a[0]} {task} 2 -> 3: {_assert_like_a(a[task], c[task], task, world=3):.2e}")

@@ -142,3 +142,39 @@ def test_a_resume_with_another_micro_batch_keeps_the_total_and_the_uninterrupted
     assert b["learning_rates"] == pytest.approx(a["learning_rates"], rel=1e-7)  # the log history includes step 1
     start = {n: p.detach().tolist() for n, p in build_tiny_model("causal_lm", seed=0).named_parameters()}
     assert _relative(b["params"], a["params"], start) <= 1e-5
+
+
+def _zero_checkpoint(folder, ranks: int, universal: bool = False):
+    (folder / "global_step3").mkdir(parents=True)
+    (folder / "latest").write_text("global_step3")
+    for r in range(ranks):
+        (folder / "global_step3" / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    if universal:
+        (folder / "latest_universal").write_text("global_step3_universal")
+    return str(folder)
+
+
+def test_a_zero_checkpoint_on_another_world_is_refused_naming_the_universal_checkpoint(tmp_path) -> None:
+    """DeepSpeed loads a ZeRO optimizer state only on the number of ranks that saved it: refused before loading,
+    naming ds_to_universal (as a command to run) and `checkpoint.load_universal`; the same world, a universal
+    checkpoint asked for and present, or no DeepSpeed state at all pass."""
+    from hf_gradacc.backends.deepspeed import zero_resume_problem
+
+    stage2 = {"zero_optimization": {"stage": 2}}
+    universal = {**stage2, "checkpoint": {"load_universal": True}}
+    folder = _zero_checkpoint(tmp_path / "checkpoint-3", ranks=2)
+    assert zero_resume_problem(folder, data_ranks=2, config=stage2) is None
+    message = zero_resume_problem(folder, data_ranks=1, config=stage2)
+    assert (
+        message is not None and "on 1 data rank: its DeepSpeed ZeRO optimizer state is partitioned over 2" in message
+    )
+    step = f"{folder}/global_step3"
+    command = f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {step} --output_folder {step}_universal"
+    assert f"`{command} --inject_missing_state`" in message, message
+    assert '`"checkpoint": {"load_universal": true}`' in message and "or resume on 2 data ranks" in message, message
+    assert zero_resume_problem(folder, data_ranks=3, config=stage2) is not None
+    missing = zero_resume_problem(folder, data_ranks=1, config=universal)
+    assert missing is not None and "holds no universal checkpoint (no `latest_universal`)" in missing, missing
+    converted = _zero_checkpoint(tmp_path / "converted", ranks=2, universal=True)
+    assert zero_resume_problem(converted, data_ranks=1, config=universal) is None
+    assert zero_resume_problem(str(tmp_path), data_ranks=1, config=stage2) is None  # no DeepSpeed state

@@ -63,6 +63,11 @@ class SampleRecorder(GradAccCallback):
         return [[step, sorted(i for rank in gathered for i in rank[k][1])] for k, (step, _) in enumerate(self.steps)]
 
 
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter: an FSDP2 shard (DTensor) gathered (a collective: every rank, the same order)."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
 class _Warnings(logging.Handler):
     def __init__(self) -> None:
         super().__init__(level=logging.WARNING)
@@ -120,10 +125,67 @@ def train_run(
         "train_loss": output.training_loss,
         "step_losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "learning_rates": [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h],
-        "params": {n: p.detach().cpu().tolist() for n, p in trainer.model.named_parameters()},
+        "params": {n: _full(p).detach().cpu().tolist() for n, p in trainer.model.named_parameters()},
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
         "max_steps": trainer.state.max_steps,
     }
+
+
+# A --total run's schedule and optimizer: linear decay (a changed run length would show), momentum (optimizer state to
+# carry over, sharded under FSDP2 / ZeRO)
+TOTAL_RUN: dict[str, Any] = {"lr_scheduler_type": "linear", "optim_args": "momentum=0.9"}
+# The backends a --total run may take: the TrainingArguments each needs (its CPU patch applied first).
+BACKENDS: dict[str, dict[str, Any]] = {
+    "ddp": {},
+    "fsdp2": {"fsdp": True, "fsdp_config": {"version": 2}, "ddp_backend": "gloo"},
+    "fsdp2_sharded": {
+        "fsdp": True,
+        "fsdp_config": {"version": 2, "state_dict_type": "SHARDED_STATE_DICT"},
+        "ddp_backend": "gloo",
+    },
+    # AdamW: DeepSpeed's universal checkpoint (a resume on another world) converts Adam-family states only. eps 1e-3:
+    # the tiny BERT's attention key biases have a zero gradient (softmax ignores them) that is rounding noise alone,
+    # which Adam with eps 1e-8 turns into full steps (3.4e-03 off between two layouts, all of it in those biases)
+    "zero2": {
+        "deepspeed": {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True},
+        "use_cpu": False,
+        "optim": "adamw_torch",
+        "optim_args": None,
+        "adam_epsilon": 1e-3,
+    },
+    "zero2_universal": {
+        "deepspeed": {
+            "zero_optimization": {"stage": 2},
+            "zero_allow_untested_optimizer": True,
+            "checkpoint": {"load_universal": True},
+        },
+        "use_cpu": False,
+        "optim": "adamw_torch",
+        "optim_args": None,
+        "adam_epsilon": 1e-3,
+    },
+}
+
+
+def backend_arguments(backend: str) -> dict[str, Any]:
+    """``backend``'s TrainingArguments, after the CPU patch it needs (before the arguments are built: they fill
+    DeepSpeed's 'auto' values from the world size)."""
+    if backend.startswith("fsdp2"):
+        from hf_gradacc.patches.fsdp_cpu import enable_fsdp_on_cpu
+
+        enable_fsdp_on_cpu()
+    if backend.startswith("zero2"):
+        from hf_gradacc.patches import enable_cpu_distributed
+
+        enable_cpu_distributed()
+    return dict(BACKENDS[backend])
+
+
+def backend_for(arguments: dict[str, Any], task: str) -> dict[str, Any]:
+    """FSDP2 wraps the tiny BERT's layers only (its embeddings would be wrapped twice: refused by name)."""
+    if "fsdp_config" in arguments and task != "causal_lm":
+        return {**arguments, "fsdp_config": {**arguments["fsdp_config"], "transformer_layer_cls_to_wrap": ["BertLayer"]}}
+    return arguments
 
 
 def main() -> None:
@@ -140,15 +202,17 @@ def main() -> None:
     parser.add_argument("--total", type=int, default=None, help="total_train_batch_size: one run per --tasks")
     parser.add_argument("--tasks", default="causal_lm", help="with --total: comma-separated tiny-model heads")
     parser.add_argument("--num-samples", type=int, default=NUM_SAMPLES)
+    parser.add_argument("--backend", choices=tuple(BACKENDS), default="ddp", help="with --total")
     options = parser.parse_args()
     try:
         if options.total is not None:  # tests/distributed/test_total_train_batch_size.py: a run per head
+            backend = backend_arguments(options.backend)
             payload = {
                 task: train_run(
                     os.path.join(options.out, task), batch=options.batch, ga=options.ga, task=task,
                     resume=None if options.resume is None else options.resume.format(task=task),
                     num_samples=options.num_samples, total_train_batch_size=options.total,
-                    lr_scheduler_type="linear",
+                    **{**TOTAL_RUN, **backend_for(backend, task)},
                 )  # fmt: skip
                 for task in options.tasks.split(",")
             }
