@@ -118,6 +118,18 @@ def test_a_conflicting_gradient_accumulation_steps_is_replaced_with_a_warning(tm
     assert "`total_train_batch_size` (8)" in found[0], found[0]
 
 
+def test_gradacc_args_on_plain_training_arguments_derive_it_too(tmp_path) -> None:
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, use_cpu=True, report_to=[], max_steps=1)
+    trainer = GradAccTrainer(
+        model=build_tiny_model("causal_lm", seed=0),
+        args=args,
+        train_dataset=ListDataset(make_samples("causal_lm", 8, seed=1)),
+        data_collator=PaddingCollator(),
+        gradacc_args={"total_train_batch_size": 8},
+    )
+    assert trainer.args.gradient_accumulation_steps == 4 and trainer.global_batch.total == 8
+
+
 def test_the_trainer_refuses_a_total_its_world_cannot_hold(tmp_path) -> None:
     with pytest.raises(GradAccConfigError, match=r"`total_train_batch_size` \(7\) is not a multiple"):
         _trainer(tmp_path, total_train_batch_size=7)
