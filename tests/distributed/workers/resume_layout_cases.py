@@ -79,10 +79,11 @@ def train_run(
     num_samples: int = NUM_SAMPLES,
     seed: int = 0,
     mismatch: str = "error",
+    callbacks: tuple[Any, ...] = (),
     **overrides: Any,
 ) -> dict[str, Any]:
-    """One run (fresh, or resumed from ``resume``) on this process's ranks; what :class:`SampleRecorder` saw and
-    what the trainer logged."""
+    """One run (fresh, or resumed from ``resume``) on this process's ranks, with ``callbacks`` beside the recorder;
+    what :class:`SampleRecorder` saw and what the trainer logged."""
     torch.set_num_threads(1)
     samples = make_samples("causal_lm", num_samples, seed=11)
     recorder = SampleRecorder(samples)
@@ -100,7 +101,7 @@ def train_run(
     )
     trainer = GradAccTrainer(
         model=build_tiny_model("causal_lm", seed=0), args=args, train_dataset=ListDataset(samples),
-        data_collator=PaddingCollator(), callbacks=[recorder],
+        data_collator=PaddingCollator(), callbacks=[recorder, *callbacks],
     )  # fmt: skip
     warnings = _Warnings()
     logging.getLogger("hf_gradacc").addHandler(warnings)
