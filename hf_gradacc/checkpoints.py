@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import os
 import re
@@ -39,7 +40,7 @@ from transformers.utils import logging
 
 from .backends.distributed import gather_objects, is_collective_failure, save_failure
 from .backends.sharded_model import distributed_config_of
-from .errors import GradAccConfigError
+from .errors import GradAccConfigError, GradAccDistributedError
 
 logger = logging.get_logger(__name__)
 
@@ -264,8 +265,11 @@ def _agreed(problems: dict[str, list[str]]) -> dict[str, list[str]]:
     resumed. A rank whose folder lacks what rank 0's holds (the weights, the trainer state) does not share rank 0's
     disk: the problems say what to do (:data:`_NODE_LOCAL`)."""
     gathered = _gathered(problems)
-    if len(gathered) == 1:
-        return problems
+    return problems if len(gathered) == 1 else _merged(gathered)
+
+
+def _merged(gathered: list[dict[str, list[str]]]) -> dict[str, list[str]]:
+    """:func:`_agreed`'s merge of every rank's problems (in rank order), each named after its rank but rank 0's."""
     merged: dict[str, list[str]] = {}
     for name in sorted({name for seen in gathered for name in seen}):
         merged[name] = []
@@ -317,6 +321,52 @@ def latest_complete_checkpoint(output_dir: str, *, world_size: int = 1, rank: in
     )
 
 
+def checkpoint_identity(path: str) -> str | None:
+    """What tells the checkpoint in folder ``path`` from any other, whatever folder holds it: its global step and a
+    digest of its ``trainer_state.json`` (the step, the epoch, every logged loss and learning rate; without the two
+    fields that say which process wrote it), or None when the trainer state is unreadable. Copies of one checkpoint
+    (each worker of a Ray Train job resumes from its own download of the reported one) have the same identity; two
+    steps of a run, or the same step of two runs, do not. The completion marker alone would not tell them apart: it
+    lists file sizes, and every step of a run saves files of the same sizes.
+
+    Example:
+        ```python
+        assert checkpoint_identity("/tmp/a/checkpoint") == checkpoint_identity("out/checkpoint-2")   # a copy
+        ```
+    """
+    try:
+        with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict):
+        return None
+    for who in ("is_local_process_zero", "is_world_process_zero"):  # a node's main process writes its own copy
+        state.pop(who, None)
+    digest = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:12]
+    return f"global step {state.get('global_step')}, trainer state {digest}"
+
+
+def _agreed_folder(path: str, *, world_size: int, rank: int) -> list[str]:
+    """Every rank's problems with the folder IT names as the checkpoint to resume, merged, plus one when the ranks'
+    folders hold different checkpoints: the ranks agree on the checkpoint by its content
+    (:func:`checkpoint_identity`), not by its path, so each rank may resume from its own copy in a folder of its own.
+    One collective."""
+    own = checkpoint_problems(path, world_size=world_size, rank=rank)
+    gathered = _gathered((path, own, checkpoint_identity(path)))
+    if len(gathered) == 1:
+        return own
+    problems = _merged([{"checkpoint": seen} for _, seen, _ in gathered])["checkpoint"]
+    held = [(r, where, identity) for r, (where, _, identity) in enumerate(gathered) if identity is not None]
+    if len({identity for _, _, identity in held}) > 1:
+        problems.append(
+            "the ranks' folders hold different checkpoints ("
+            + "; ".join(f"rank {r}'s {where!r}: {identity}" for r, where, identity in held)
+            + "): every rank must resume the same checkpoint (each its own copy of it is fine)"
+        )
+    return problems
+
+
 def resolve_resume(
     value: str | bool | None, *, args: Any, layout: Callable[[], dict[str, Any]], mismatch: str, blocker: str | None
 ) -> tuple[str | bool | None, ResumePoint | None]:
@@ -331,7 +381,7 @@ def resolve_resume(
         path = latest_complete_checkpoint(args.output_dir, world_size=world_size, rank=rank)
     elif isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
-        problems = _agreed({path: checkpoint_problems(path, world_size=world_size, rank=rank)})[path]
+        problems = _agreed_folder(path, world_size=world_size, rank=rank)
         if problems:
             raise GradAccConfigError(
                 f"`resume_from_checkpoint` ({path!r}) cannot be resumed: {'; '.join(problems)}. Resume from an older "
@@ -619,8 +669,14 @@ def checkpoint_save(
     checkpoints of ``run_dir`` rotated away (``save_total_limit``), so a kill at any point leaves the old checkpoint or
     a complete new one. A peer that dies or fails while saving (its save's collectives, or the barrier) is a
     :class:`~hf_gradacc.GradAccDistributedError` on every surviving rank, naming the step, the folder left incomplete
-    and the checkpoint the next resume takes; ``state``: the Trainer's (its step, its best checkpoint)."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+    and the checkpoint the next resume takes; ``state``: the Trainer's (its step, its best checkpoint).
+
+    The saving rank's finish (the record, the marker, the rotation) is agreed by every rank in one collective before
+    any rank leaves: the Trainer calls ``on_save`` right after, and a callback that copies or uploads the folder on
+    every rank (Ray Train's ``RayTrainReportCallback``) must see it complete, never mid-finish. A finish that fails on
+    one rank (a full disk) is that error on that rank and a :class:`~hf_gradacc.GradAccDistributedError` naming it
+    on every other rank, so no rank trains on alone."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
     if args.should_save:
@@ -637,12 +693,33 @@ def checkpoint_save(
         finally:
             args.save_total_limit = limit
         wait_for_everyone()  # every rank's files (RNG state, shards) are written
-    except RuntimeError as error:  # a peer died or failed while saving: the save's collectives or this barrier
+        failure = _finish_save(folder, run_dir, limit, state, record) if args.should_save else None
+        failures = _gathered(None if failure is None else f"{type(failure).__name__}: {failure}")  # the finish, agreed
+    except RuntimeError as error:  # a peer died or failed while saving: the save's collectives or these two
         if not is_collective_failure(error):
             raise
         step = state.global_step
         raise save_failure(step, folder, _newest_complete(run_dir, below=step), args) from error
-    if args.should_save:
+    if failure is not None:
+        raise failure
+    failed = [(rank, why) for rank, why in enumerate(failures) if why is not None]
+    if failed:
+        rank, why = failed[0]
+        raise GradAccDistributedError(
+            f"Saving the checkpoint of optimizer step {state.global_step}: rank {rank} failed to finish it ({why}); "
+            f"{folder} is left incomplete (no {COMPLETE_NAME}) and the next `resume_from_checkpoint=True` passes it "
+            f"over. Every rank stops here (this is rank {args.process_index}); see rank {rank}'s log."
+        )
+
+
+def _finish_save(
+    folder: str, run_dir: str, limit: int | None, state: Any, record: Callable[[], dict[str, Any]]
+) -> Exception | None:
+    """The saving rank's end of a save, once every rank's files are written: the data record, the marker LAST, then
+    the rotation of older checkpoints. Returns what failed (to be agreed by every rank first), or None."""
+    from transformers.trainer_utils import rotate_checkpoints
+
+    try:
         with open(os.path.join(folder, DATA_NAME), "w") as f:
             json.dump(record(), f, indent=1)
         _write_marker(folder)
@@ -652,6 +729,9 @@ def checkpoint_save(
             best_model_checkpoint=state.best_model_checkpoint,
             use_mtime=True,
         )
+    except Exception as error:  # noqa: BLE001 - raised after every rank heard of it
+        return error
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- the resumed weights

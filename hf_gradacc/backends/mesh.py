@@ -48,8 +48,11 @@ class LaunchedWorld:
             ``standard`` paths), ``"deepspeed"`` (DeepSpeed's own launcher: pdsh, ``deepspeed`` CLI),
             ``"env"`` (only ``WORLD_SIZE`` / ``RANK``), or ``"none"`` (a single process).
         world_size: ``WORLD_SIZE``.
-        num_nodes: torchrun's ``GROUP_WORLD_SIZE`` (``--nnodes``), DeepSpeed's ``CROSS_SIZE``; else 1.
-        num_processes_per_node: ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` (DeepSpeed); else the world.
+        num_nodes: torchrun's ``GROUP_WORLD_SIZE`` (``--nnodes``), DeepSpeed's ``CROSS_SIZE``; with only
+            ``LOCAL_WORLD_SIZE`` (Ray Train sets it and no node count) ``WORLD_SIZE / LOCAL_WORLD_SIZE`` when that
+            divides, a guess that nothing checks; else 1.
+        num_processes_per_node: ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` (DeepSpeed); else the world (also
+            when ``LOCAL_WORLD_SIZE`` does not divide it: workers placed unevenly, Ray Train's 3 as 2 + 1).
         from_accelerate_multinode_deepspeed: the launch went through ``accelerate launch``'s DeepSpeed multi-node
             path (``ACCELERATE_CONFIG_DS_FIELDS`` is set, so accelerate launched it, and DeepSpeed's launcher set
             ``CROSS_SIZE``, which accelerate uses only for ``--num_machines`` > 1 without
@@ -89,6 +92,8 @@ class LaunchedWorld:
                 from_accelerate_multinode_deepspeed="ACCELERATE_CONFIG_DS_FIELDS" in env,
             )
         local = _int(env, "LOCAL_WORLD_SIZE") or world
+        if world % local:  # placed unevenly (Ray Train: 3 workers as 2 + 1): this rank cannot tell the nodes
+            return cls(launcher="env", world_size=world, num_nodes=1, num_processes_per_node=world)
         return cls(launcher="env", world_size=world, num_nodes=max(1, world // local), num_processes_per_node=local)
 
 
@@ -102,7 +107,9 @@ def check_launched_world(joined_world_size: int, env: Mapping[str, str] | None =
       hands over to DeepSpeed's pdsh launcher; without a hostfile it runs "local resources only": each machine
       starts its own smaller world (``CROSS_SIZE=1``), trains on part of the samples and reports success. Refused.
     - torchrun / the DeepSpeed launcher: ``WORLD_SIZE`` must be nodes x processes per node (homogeneous nodes, as
-      accelerate and transformers assume) and the process group's size must be ``WORLD_SIZE``.
+      accelerate and transformers assume) and the process group's size must be ``WORLD_SIZE``. A launch that tells
+      no node count (only ``WORLD_SIZE`` and maybe ``LOCAL_WORLD_SIZE``: Ray Train, which may place 3 workers as
+      2 + 1) is checked on ``WORLD_SIZE`` alone.
 
     Raises:
         GradAccConfigError: the pdsh split (names the config line that fixes it).

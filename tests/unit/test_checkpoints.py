@@ -341,6 +341,52 @@ def test_a_save_that_loses_its_peer_names_the_newest_complete_checkpoint(tmp_pat
     assert info.value.__cause__ is lost
 
 
+def test_a_failed_finish_of_a_save_is_agreed_by_every_rank(tmp_path, monkeypatch) -> None:
+    """The saving rank's finish (record, marker, rotation) is agreed in one collective before any rank leaves the
+    save (``on_save`` copies it next): another rank's failed finish (gathered, faked here) is a
+    GradAccDistributedError naming that rank and its error; this rank's own is raised as itself."""
+    monkeypatch.setattr(ckpt, "_gathered", lambda value: [value, "OSError: [Errno 28] No space left on device"])
+    with pytest.raises(GradAccDistributedError) as info:
+        _trainer(str(tmp_path / "a")).train()
+    message = str(info.value)
+    assert "step 1: rank 1 failed to finish it (OSError: [Errno 28] No space left on device)" in message, message
+    monkeypatch.setattr(ckpt, "_gathered", lambda value: [value])
+    full = OSError(28, "No space left on device")
+    monkeypatch.setattr(ckpt, "_write_marker", lambda folder: (_ for _ in ()).throw(full))
+    with pytest.raises(OSError) as own:
+        _trainer(str(tmp_path / "b")).train()
+    assert own.value is full
+
+
+def test_a_copy_of_a_checkpoint_is_the_same_checkpoint_another_step_is_not(saved, tmp_path, monkeypatch) -> None:
+    """:func:`checkpoint_identity`: a copy in another folder (also one whose trainer state a node's own main process
+    wrote) is the same checkpoint; another step is not. Ranks naming different folders agree by it (gathered, faked
+    here): the same checkpoint resumes, two steps are refused naming each rank's folder and step."""
+    out, _ = saved
+    copy = tmp_path / "rank1" / "checkpoint"
+    shutil.copytree(os.path.join(out, "checkpoint-1"), copy)
+    state = json.load(open(copy / "trainer_state.json"))
+    json.dump({**state, "is_world_process_zero": False}, open(copy / "trainer_state.json", "w"))
+    first = ckpt.checkpoint_identity(os.path.join(out, "checkpoint-1"))
+    assert first is not None and first.startswith("global step 1, trainer state ")
+    assert ckpt.checkpoint_identity(str(copy)) == first
+    assert ckpt.checkpoint_identity(os.path.join(out, "checkpoint-2")).startswith("global step 2, ")
+    ckpt._write_marker(str(copy))  # the marker lists the rewritten trainer state's size
+
+    def gathered_with(folder: str):
+        return lambda value: [value, (folder, checkpoint_problems(folder), ckpt.checkpoint_identity(folder))]
+
+    mine = os.path.join(out, "checkpoint-1")
+    monkeypatch.setattr(ckpt, "_gathered", gathered_with(str(copy)))
+    assert ckpt._agreed_folder(mine, world_size=1, rank=0) == []
+    monkeypatch.setattr(ckpt, "_gathered", gathered_with(os.path.join(out, "checkpoint-2")))
+    problems = ckpt._agreed_folder(mine, world_size=1, rank=0)
+    assert len(problems) == 1 and "the ranks' folders hold different checkpoints" in problems[0], problems
+    assert f"rank 0's {mine!r}: global step 1" in problems[0] and "checkpoint-2': global step 2" in problems[0]
+    monkeypatch.setattr(ckpt, "_gathered", gathered_with(str(tmp_path / "absent")))
+    assert ckpt._agreed_folder(mine, world_size=1, rank=0) == [f"{tmp_path / 'absent'} is not a folder (rank 1)"]
+
+
 def _sharded_at_load(**sizes) -> torch.nn.Module:
     """A tiny model marked as sharded at load time (what ``from_pretrained(distributed_config=...)`` sets)."""
     from transformers.distributed import DistributedConfig

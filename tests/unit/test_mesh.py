@@ -80,6 +80,28 @@ def test_a_world_other_than_the_launched_one_is_refused():
     assert check_launched_world(1, {}).launcher == "none"
 
 
+# Ray Train's worker environment (ray/train/torch/config.py sets these and no node count): 3 workers placed as 2 on
+# node 0 and 1 on node 1.
+RAY_2_PLUS_1_ENVS = [
+    {"WORLD_SIZE": "3", "RANK": str(rank), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(size),
+     "NODE_RANK": str(node), "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    for rank, local, size, node in ((0, 0, 2, 0), (1, 1, 2, 0), (2, 0, 1, 1))
+]  # fmt: skip
+
+
+def test_workers_placed_unevenly_without_a_node_count_are_not_refused():
+    """Ray Train sets ``LOCAL_WORLD_SIZE`` but not ``GROUP_WORLD_SIZE``: 3 workers as 2 + 1 join a world of 3 on
+    every rank; only a world other than ``WORLD_SIZE`` is refused. torchrun's node count is still checked."""
+    for env in RAY_2_PLUS_1_ENVS:
+        world = check_launched_world(3, env)
+        assert (world.launcher, world.world_size) == ("env", 3), env
+    assert LaunchedWorld.from_env(RAY_2_PLUS_1_ENVS[0]).num_processes_per_node == 3  # 2 does not divide 3: unknown
+    with pytest.raises(GradAccDistributedError, match="joined a world of 2 ranks"):
+        check_launched_world(2, RAY_2_PLUS_1_ENVS[0])
+    with pytest.raises(GradAccDistributedError, match="different process counts"):
+        check_launched_world(3, {**TORCHRUN_2X2_ENV, "WORLD_SIZE": "3", "GROUP_WORLD_SIZE": "2"})
+
+
 def _launch_env(config: Path) -> dict[str, str]:
     """The environment `accelerate launch --config_file config` gives its ranks (accelerate's own code path)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser

@@ -89,10 +89,12 @@ def train_run(
     seed: int = 0,
     mismatch: str = "error",
     task: str = "causal_lm",
+    callbacks: tuple[Any, ...] = (),
     **overrides: Any,
 ) -> dict[str, Any]:
-    """One run (fresh, or resumed from ``resume``) on this process's ranks; what :class:`SampleRecorder` saw and
-    what the trainer logged. ``task``: the tiny model's head (:data:`~hf_gradacc.testing.tiny.TASKS`)."""
+    """One run (fresh, or resumed from ``resume``) on this process's ranks, with ``callbacks`` beside the recorder;
+    what :class:`SampleRecorder` saw and what the trainer logged. ``task``: the tiny model's head
+    (:data:`~hf_gradacc.testing.tiny.TASKS`)."""
     torch.set_num_threads(1)
     samples = make_samples(task, num_samples, seed=11)
     recorder = SampleRecorder(samples)
@@ -110,7 +112,7 @@ def train_run(
     )
     trainer = GradAccTrainer(
         model=build_tiny_model(task, seed=0), args=args, train_dataset=ListDataset(samples),
-        data_collator=PaddingCollator(), callbacks=[recorder],
+        data_collator=PaddingCollator(), callbacks=[recorder, *callbacks],
     )  # fmt: skip
     warnings = _Warnings()
     logging.getLogger("hf_gradacc").addHandler(warnings)
