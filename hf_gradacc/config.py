@@ -473,6 +473,12 @@ def _resolve_preemption(settings: GradAccSettings, args: TrainingArguments) -> G
     """``enable_jit_checkpoint=True`` (transformers' SIGTERM checkpoint, saved by each rank when it sees the signal,
     with no agreement) is served by ``save_on_preemption``: the agreed checkpoint wins, transformers' callback is
     taken out (:func:`~hf_gradacc.step.preemption.release_jit_checkpoint`)."""
+    if settings.save_on_preemption and getattr(args, "save_only_model", False):
+        logger.warning_once(
+            "`save_on_preemption=True` with `save_only_model=True`: the checkpoint saved on SIGTERM holds no "
+            "optimizer, scheduler or RNG state, so the run cannot resume from it (hf_gradacc refuses such a resume). "
+            "Set `save_only_model=False`."
+        )
     if not getattr(args, "enable_jit_checkpoint", False):
         return settings
     both = "`save_on_preemption=True` and " if settings.save_on_preemption else ""

@@ -180,3 +180,9 @@ def test_enable_jit_checkpoint_is_taken_over_by_the_agreed_checkpoint(tmp_path: 
     assert "JITCheckpointCallback" not in names, names
     assert signal.getsignal(signal.SIGTERM) == original  # the handler transformers installed at construction is gone
     assert any("enable_jit_checkpoint=True" in r.getMessage() and "wins" in r.getMessage() for r in caplog.records)
+
+
+def test_a_preemption_checkpoint_that_cannot_be_resumed_is_warned_about(tmp_path: Path, caplog) -> None:
+    with caplog.at_level("WARNING"):
+        GradAccConfig(output_dir=str(tmp_path), save_on_preemption=True, save_only_model=True, report_to=[])
+    assert any("save_only_model=True" in r.getMessage() and "cannot resume" in r.getMessage() for r in caplog.records)
