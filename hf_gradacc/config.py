@@ -134,6 +134,19 @@ class GradAccArguments:
             "'raise' (NonFiniteStepError on every rank) or 'propagate' (take it, as the stock Trainer does)."
         },
     )
+    save_on_preemption: bool = field(
+        default=False,
+        metadata={
+            "help": "On SIGTERM to ANY rank (SLURM `--signal=TERM@<s>` or preemption, a Kubernetes pod's grace "
+            "period, torchrun stopping its workers, a spot reclaim): every rank finishes the optimizer step in "
+            "flight, all ranks save ONE complete checkpoint of that step together, and training stops "
+            "(`trainer.preempted` is True); never mid-window, never one rank alone. The handler only sets a flag; "
+            "the ranks agree in the step's non-finite all-reduce (no new collective; one scalar all-reduce per step "
+            "with `nonfinite_steps='propagate'`). A handler installed before `train()` (submitit's) is called after "
+            "the checkpoint. Off by default: SIGTERM ends the process as usual. `enable_jit_checkpoint=True` turns "
+            "it on (it replaces transformers' per-rank JIT checkpoint). See docs/elastic.md."
+        },
+    )
     check_loss_at_start: bool = field(
         default=True,
         metadata={
@@ -340,6 +353,7 @@ class GradAccSettings:
     zero_reduction: ZeroReduction = "per_micro_batch"
     fsdp_sync: FsdpSync = "deferred"
     nonfinite_steps: NonFiniteSteps = "skip"
+    save_on_preemption: bool = False
     check_loss_at_start: bool = True
     fused_lm_head: bool | None = None
     regroup_micro_batches: bool = False
@@ -437,6 +451,7 @@ def resolve_settings(args: TrainingArguments | GradAccArguments, overrides: Any 
         "regroup_micro_batches",
         "check_loss_at_start",
         "pack_micro_batches",
+        "save_on_preemption",
     ):
         _check_bool(name, getattr(settings, name))
     for name, choices in (
@@ -464,7 +479,30 @@ def resolve_settings(args: TrainingArguments | GradAccArguments, overrides: Any 
 
     if isinstance(args, TrainingArguments):
         _check_training_arguments(args, settings)
+        settings = _resolve_preemption(settings, args)
     return settings
+
+
+def _resolve_preemption(settings: GradAccSettings, args: TrainingArguments) -> GradAccSettings:
+    """``enable_jit_checkpoint=True`` (transformers' SIGTERM checkpoint, saved by each rank when it sees the signal,
+    with no agreement) is served by ``save_on_preemption``: the agreed checkpoint wins, transformers' callback is
+    taken out (:func:`~hf_gradacc.step.preemption.release_jit_checkpoint`)."""
+    if settings.save_on_preemption and getattr(args, "save_only_model", False):
+        logger.warning_once(
+            "`save_on_preemption=True` with `save_only_model=True`: the checkpoint saved on SIGTERM holds no "
+            "optimizer, scheduler or RNG state, so the run cannot resume from it (hf_gradacc refuses such a resume). "
+            "Set `save_only_model=False`."
+        )
+    if not getattr(args, "enable_jit_checkpoint", False):
+        return settings
+    both = "`save_on_preemption=True` and " if settings.save_on_preemption else ""
+    logger.warning_once(
+        f"{both}`enable_jit_checkpoint=True`: hf_gradacc's agreed preemption checkpoint wins. On SIGTERM to any rank, "
+        "every rank finishes the optimizer step in flight and saves that step's checkpoint together, then training "
+        "stops; transformers' JITCheckpointCallback (a save by each rank when it sees the signal, mid-step and "
+        "without agreement) is removed. Set `enable_jit_checkpoint=False` to silence this."
+    )
+    return dataclasses.replace(settings, save_on_preemption=True)
 
 
 def _check_training_arguments(args: TrainingArguments, settings: GradAccSettings) -> None:

@@ -63,6 +63,7 @@ from .loss import LossTerm, parse_loss_output
 from .moe_balance import check_router_balance
 from .step.engine import DATA_RAN_OUT, LossSource, StepEngine
 from .step.plan import realign_learning_rate
+from .step.preemption import release_jit_checkpoint
 from .step.window import Window
 from .weights import LOSS_WEIGHTS_KEY
 
@@ -213,6 +214,8 @@ class GradAccMixin:
             router=router,
         )
         self.grads: GradAccess = self.step_engine.grads
+        if settings.save_on_preemption:  # transformers' per-rank SIGTERM checkpoint replaced by the agreed one
+            release_jit_checkpoint(self.callback_handler.callbacks)
         batchnorm = batchnorm_callback_for(self.model, settings, self.callback_handler.callbacks)
         if batchnorm is not None:  # BatchNorm under accumulation: a warning, or the `batchnorm` mode (callbacks/)
             self.callback_handler.add_callback(batchnorm)
@@ -284,6 +287,21 @@ class GradAccMixin:
     def num_nonfinite_skipped(self) -> int:
         """Optimizer steps dropped on every rank for a NaN/Inf loss or gradient (``nonfinite_steps="skip"``)."""
         return self.step_engine.num_nonfinite_skipped
+
+    @property
+    def preempted(self) -> bool:
+        """The last ``train()`` stopped early because a rank received SIGTERM (``save_on_preemption``): every rank
+        saved the checkpoint of the same optimizer step, ``state.global_step``, and training stopped there.
+
+        Example:
+            ```python
+            trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
+            if trainer.preempted:  # checkpoint-<global_step> is complete; the job is requeued / restarted
+                sys.exit(0)
+            trainer.save_model()
+            ```
+        """
+        return self.step_engine.preemption.preempted
 
     @property
     def data_position(self) -> DataPosition | None:
@@ -365,7 +383,8 @@ class GradAccMixin:
         if isinstance(resume_from_checkpoint, str):  # before anything is loaded: a ZeRO state on another world
             self.backend.check_resume(resume_from_checkpoint)
         plan.resume_at = plan.data_position = None  # set once the run's layout is known / after each step
-        with self.step_engine.keeping_buffers():  # the fused head's weight-gradient buffer kept from window to window
+        # the fused head's weight-gradient buffer kept from window to window; SIGTERM recorded, agreed at a step's end
+        with self.step_engine.keeping_buffers(), self.step_engine.preemption.watch():
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
@@ -509,6 +528,10 @@ class GradAccMixin:
             if relayout and trained is not None:
                 self.state.epoch = epoch + trained / num_samples
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if engine.preemption.stop_due(self.state.global_step, self.backend.mesh.world_size):
+                # some rank was signalled, agreed at this step's end: every rank saves this step and stops
+                self.control.should_save = self.control.should_training_stop = True
+                self.control.should_evaluate = False
             self._maybe_log_save_evaluate(
                 self._tr_loss,
                 grad_norm,
@@ -533,6 +556,8 @@ class GradAccMixin:
             # `train_loss` at the end without reducing it. Every rank reaches this point: an agreed collective.
             self._tr_loss.copy_(self.backend.all_gather(self._tr_loss.detach()).mean(dim=0))
         self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+        if engine.preemption.stopped_at == self.state.global_step:  # saved at this step already: no second save
+            self.control.should_save = self.control.should_evaluate = False
         self._maybe_log_save_evaluate(
             self._tr_loss,
             grad_norm,

@@ -42,8 +42,9 @@ from ..memory import halve_rows, is_out_of_memory, release_memory
 from ..moe_balance import RouterShape, StepRouting, router_shape, routing_prepass
 from ..weights import primary_denominator
 from .host import Events, TrainerHost
-from .nonfinite import must_skip, poison_nonfinite
+from .nonfinite import poison_nonfinite, step_verdict
 from .plan import RunPlan
+from .preemption import Preemption
 from .window import TermLog, Window
 
 logger = logging.get_logger(__name__)
@@ -146,6 +147,7 @@ class StepEngine:
         self.start_check_due, self.start_check = False, None  # the first micro-batch's loss check, agreed after it
         self.fused_head_ran = False  # the built-in loss ran the fused head (a custom training_step may bypass it)
         self.grads = GradAccess(backend, self.trainable_parameters, lambda: self.window)
+        self.preemption = Preemption(settings.save_on_preemption)  # the agreed SIGTERM checkpoint (step/preemption.py)
 
     # ------------------------------------------------------------------ the run
     def begin_training(self, model: nn.Module, optimizer: Any) -> None:
@@ -562,8 +564,9 @@ class StepEngine:
             grad_norm = backend.clip_grad_norm(max_norm if max_norm is not None and max_norm > 0 else float("inf"))
             policy = "propagate" if backend.scales_loss else settings.nonfinite_steps  # a scaler skips itself
             step = host.state.global_step + 1
-            # one verdict on every rank, AFTER the hooks and callbacks: a NaN they wrote on one rank drops the step
-            skip = must_skip(
+            # one verdict on every rank, AFTER the hooks and callbacks: a NaN they wrote on one rank drops the step;
+            # the preemption flag (save_on_preemption) rides in the same all-reduce
+            verdict = step_verdict(
                 policy,
                 grad_norm,
                 step=step,
@@ -571,8 +574,11 @@ class StepEngine:
                 losses=window.losses,
                 agree=backend.sum_over_processes,
                 hooks_nonfinite=hooks_nonfinite,
+                signalled=self.preemption.local_flag(),
             )
-            if skip:
+            if verdict.ranks_signalled:
+                self.preemption.agreed(verdict.ranks_signalled)
+            if verdict.skip:
                 self.num_nonfinite_skipped += 1
                 self.logs.add({"nonfinite_skipped": self.num_nonfinite_skipped})
                 backend.skip_step()

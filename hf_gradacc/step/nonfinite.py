@@ -6,7 +6,8 @@ gradient NaN, and the step's gradient reduction spreads it to every rank. But wh
 accumulated-gradient hook, an ``on_accumulated_grads`` callback, a ``training_step`` override) can write NaN on one
 rank only, where DDP's norm is computed from the local replica: the ranks would decide apart (one steps, one skips)
 and the next collective mismatches (gloo aborts). So the verdict is taken from the global gradient norm after the
-hooks, agreed across ranks with one scalar all-reduce per step (:func:`agreed_nonfinite`): ``skip`` drops the step on
+hooks, agreed across ranks with one scalar all-reduce per step (:func:`agreed_flags`, which also carries
+the preemption flag of ``save_on_preemption``, :mod:`hf_gradacc.step.preemption`): ``skip`` drops the step on
 every rank, ``raise`` stops every rank, ``propagate`` takes the step as the stock Trainer would.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers.utils import logging
@@ -47,26 +49,50 @@ def describe(step: int, rank: int, bad: list[int], grad_norm: float) -> str:
     return f"Optimizer step {step}: {where}"
 
 
-def agreed_nonfinite(
+@dataclass(frozen=True, slots=True)
+class StepVerdict:
+    """What every rank does at the end of an optimizer step, agreed over ranks.
+
+    Attributes:
+        skip: drop the step (a NaN/Inf loss or gradient on some rank, ``nonfinite_steps='skip'``).
+        ranks_signalled: ranks that received a preemption signal (``save_on_preemption``): > 0 saves and stops.
+    """
+
+    skip: bool = False
+    ranks_signalled: int = 0
+
+
+def agreed_flags(
     grad_norm: torch.Tensor | float,
     hooks_nonfinite: torch.Tensor | None = None,
     *,
     agree: Callable[[torch.Tensor], torch.Tensor],
-) -> tuple[bool, bool]:
-    """(non-finite on any rank, on this rank): this rank's verdict is its norm, or a non-finite value an
-    accumulated-gradient hook left (``hooks_nonfinite``); ``agree`` sums that flag over every rank (the backend's
-    :meth:`~hf_gradacc.backends.Backend.sum_over_processes`: one scalar all-reduce, none on a single process)."""
+    check_nonfinite: bool = True,
+    signalled: bool | None = None,
+) -> tuple[bool, bool, int]:
+    """(non-finite on any rank, on this rank, ranks signalled), from ONE ``agree``.
+
+    This rank's non-finite verdict is its norm, or a non-finite value an accumulated-gradient hook left
+    (``hooks_nonfinite``); ``check_nonfinite=False`` (``propagate``) sends 0 without reading the norm. ``signalled``:
+    whether this rank received a preemption signal (None: ``save_on_preemption`` off, nothing more travels); it rides
+    in the same tensor. ``agree`` sums the flags over every rank (the backend's
+    :meth:`~hf_gradacc.backends.Backend.sum_over_processes`: one all-reduce, none on a single process)."""
     norm = torch.as_tensor(grad_norm).detach().reshape(-1)[:1]
-    flag = ~torch.isfinite(norm)
-    if hooks_nonfinite is not None:
-        flag = flag | hooks_nonfinite.to(flag.device).reshape(1)
-    flag = flag.to(torch.float32)
-    local = bool(flag.item())
-    summed = agree(flag)  # a SUM of flags: never loses a NaN the way a MAX of norms can
-    return bool(summed.item()), local
+    if check_nonfinite:
+        flag = ~torch.isfinite(norm)
+        if hooks_nonfinite is not None:
+            flag = flag | hooks_nonfinite.to(flag.device).reshape(1)
+        flag = flag.to(torch.float32)
+    else:
+        flag = torch.zeros(1, dtype=torch.float32, device=norm.device)
+    if signalled is not None:
+        flag = torch.cat([flag, torch.tensor([float(signalled)], device=flag.device)])
+    local = bool(flag[0].item())
+    summed = agree(flag).tolist()  # a SUM of flags: never loses a NaN the way a MAX of norms can
+    return bool(summed[0]), local, int(summed[1]) if signalled is not None else 0
 
 
-def must_skip(
+def step_verdict(
     policy: str,
     grad_norm: torch.Tensor | float,
     *,
@@ -75,15 +101,21 @@ def must_skip(
     losses: list[torch.Tensor],
     agree: Callable[[torch.Tensor], torch.Tensor],
     hooks_nonfinite: torch.Tensor | None = None,
-) -> bool:
-    """True when the step must be dropped (``skip``: a warning names the step, this rank and its non-finite
-    micro-batches), after raising :class:`~hf_gradacc.NonFiniteStepError` for ``raise``; False to take the step. The
-    verdict is the same on every rank (:func:`agreed_nonfinite`)."""
-    if policy == "propagate":
-        return False
-    anywhere, here = agreed_nonfinite(grad_norm, hooks_nonfinite, agree=agree)
+    signalled: bool | None = None,
+) -> StepVerdict:
+    """The step's verdict, the same on every rank (:func:`agreed_flags`): ``skip`` when the step must be dropped
+    (``skip``: a warning names the step, this rank and its non-finite micro-batches), after raising
+    :class:`~hf_gradacc.NonFiniteStepError` for ``raise``; ``ranks_signalled`` > 0 when some rank received a
+    preemption signal (``signalled`` not None: ``save_on_preemption``). No collective with ``propagate`` and no
+    preemption flag."""
+    check = policy != "propagate"
+    if not check and signalled is None:
+        return StepVerdict()
+    anywhere, here, ranks_signalled = agreed_flags(
+        grad_norm, hooks_nonfinite, agree=agree, check_nonfinite=check, signalled=signalled
+    )
     if not anywhere:
-        return False
+        return StepVerdict(ranks_signalled=ranks_signalled)
     norm = float(grad_norm)
     message = describe(step, rank, nonfinite_micro_batches(losses), norm)
     if here and math.isfinite(norm):
@@ -104,4 +136,4 @@ def must_skip(
         f"{message}: the step is skipped on every rank, parameters and optimizer state unchanged "
         "(`nonfinite_steps='skip'`; the count is logged as `nonfinite_skipped`)."
     )
-    return True
+    return StepVerdict(skip=True, ranks_signalled=ranks_signalled)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 ONE_OFF = "all_gather@hf_gradacc:all_gather<agree<train_window"  # the first window's loss check, once per run
 COUNT = "all_gather@hf_gradacc:all_gather<gather_window_counts<prefetched"
-FLAG = "all_reduce@hf_gradacc:sum_over_processes<agreed_nonfinite<must_skip"
+FLAG = "all_reduce@hf_gradacc:sum_over_processes<agreed_flags<step_verdict"
 NORM = "all_reduce@hf_gradacc:grad_sq_norms<clip_grad_norm<optimizer_step"
 LOG = "all_gather@hf_gradacc:all_gather<pop_means<pop"  # loss/<term> and moe/load_max_over_mean, one gather
 # (not checked: once per epoch, at its end, ``all_gather<_run_epoch<train``, the loss since the last log line as the

@@ -124,7 +124,7 @@ def test_reduce_scatter_count_per_strategy(results):
     assert every == [groups] * 4
     for name in ("causal_lm-deferred", "causal_lm-every_micro_batch", "sequence_classification-deferred"):
         # a 1-D mesh has no gradient all-reduce; the one counted after the last micro-batch is the step's scalar
-        # non-finite verdict, agreed after the gradient hooks (hf_gradacc.step.nonfinite.agreed_nonfinite)
+        # non-finite verdict, agreed after the gradient hooks (hf_gradacc.step.nonfinite.agreed_flags)
         assert _counts(results[name][0], "all_reduce") == [0, 0, 0, 1]
     bert = _counts(results["sequence_classification-deferred"][0], "reduce_scatter")
     assert bert[:3] == [0, 0, 0] and bert[3] > 0

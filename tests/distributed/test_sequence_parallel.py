@@ -74,7 +74,7 @@ def test_ulysses_sequence_parallel_zero2_is_exact():
         assert library == {
             "all_gather@hf_gradacc:all_gather<agree<train_window": 1,
             "all_gather@hf_gradacc:all_gather<gather_window_counts<prefetched": 1,
-            "all_reduce@hf_gradacc:sum_over_processes<agreed_nonfinite<must_skip": 1,
+            "all_reduce@hf_gradacc:sum_over_processes<agreed_flags<step_verdict": 1,
             "all_reduce@hf_gradacc:grad_sq_norms<clip_grad_norm<optimizer_step": 1,
         }, step
 

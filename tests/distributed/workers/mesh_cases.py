@@ -171,7 +171,8 @@ class Budget(TrainerCallback):
         self.per_log.append({**self._take(), "step": state.global_step, "is_train_log": "loss" in (logs or {})})
 
 
-def _budget(backend: str, fsdp_sync: str | None = None, max_grad_norm: float = 0.0) -> Callable[[], dict[str, Any]]:
+def _budget(backend: str, fsdp_sync: str | None = None, max_grad_norm: float = 0.0,
+            **knobs: Any) -> Callable[[], dict[str, Any]]:  # fmt: skip
     def run() -> dict[str, Any]:
         overrides: dict[str, Any] = {"max_steps": STEPS, "logging_steps": 1000, "max_grad_norm": max_grad_norm}
         if backend == "fsdp2":
@@ -183,6 +184,7 @@ def _budget(backend: str, fsdp_sync: str | None = None, max_grad_norm: float = 0
         result: dict[str, Any] = {}
         for kind in ("gradacc", "stock"):
             extra = {"fsdp_sync": fsdp_sync} if (kind == "gradacc" and fsdp_sync) else {}
+            extra.update(knobs if kind == "gradacc" else {})  # e.g. save_on_preemption: its flag adds no collective
             args = one_step_args(
                 tempfile.mkdtemp(prefix="hf_gradacc_budget_"), per_device_train_batch_size=BS,
                 gradient_accumulation_steps=GA, args_class=GradAccConfig if kind == "gradacc" else TrainingArguments,
@@ -280,6 +282,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "construct_distributed_config": _construct_distributed_config,
     "budget_ddp": _budget("ddp"),
     "budget_ddp_clipped": _budget("ddp", max_grad_norm=1.0),
+    "budget_ddp_preemption": _budget("ddp", save_on_preemption=True),
     **{f"budget_fsdp2_{sync}": _budget("fsdp2", sync) for sync in ("deferred", "every_micro_batch")},
     **{f"multinode_{task}": _multinode(task) for task in ("causal_lm", "sequence_classification")},
 }
