@@ -426,12 +426,25 @@ def _resolved(mb: MicroBatchCounts, row: list[int]) -> MicroBatchCounts:
 def _pack(rows: Sequence[Sequence[Any]], device: torch.device | str) -> torch.Tensor:
     """``rows`` of numbers and 0-dim tensors as one flat int64 vector on ``device``, no tensor's value read: the
     numbers travel in one copy, the tensors are stacked where they are and put in their places there."""
-    values = [v for row in rows for v in row]
-    vector = torch.tensor([0 if torch.is_tensor(v) else v for v in values], dtype=torch.int64, device=device)
-    where = [i for i, v in enumerate(values) if torch.is_tensor(v)]
-    if not where:
+    numbers: list[int] = []
+    where: list[int] = []
+    tensors: list[torch.Tensor] = []
+    for row in rows:
+        for value in row:
+            if isinstance(value, torch.Tensor):
+                where.append(len(numbers))
+                tensors.append(value)
+                numbers.append(0)
+            else:
+                numbers.append(value)
+    vector = torch.tensor(numbers, dtype=torch.int64, device=device)
+    if not tensors:
         return vector
-    stacked = torch.stack([values[i].reshape(()).to(device=device, dtype=torch.int64) for i in where])
+    try:
+        stacked = torch.stack(tensors)
+    except RuntimeError:  # counts on different devices (a batch's tensors spread over several): each moved first
+        stacked = torch.stack([t.to(device) for t in tensors])
+    stacked = stacked.to(device=device, dtype=torch.int64)
     return vector.index_put((torch.tensor(where, device=device),), stacked)
 
 
