@@ -61,9 +61,10 @@ def agreed_nonfinite(
     if hooks_nonfinite is not None:
         flag = flag | hooks_nonfinite.to(flag.device).reshape(1)
     flag = flag.to(torch.float32)
-    local = bool(flag.item())
-    summed = agree(flag)  # a SUM of flags: never loses a NaN the way a MAX of norms can
-    return bool(summed.item()), local
+    summed = agree(flag.clone())  # a SUM of flags (in place): never loses a NaN the way a MAX of norms can
+    # both verdicts in one read of the device (the step's one read besides the count gather's)
+    any_rank, local = torch.cat([summed.reshape(-1)[:1].to(flag.device), flag]).tolist()
+    return bool(any_rank), bool(local)
 
 
 def must_skip(
