@@ -228,3 +228,17 @@ def test_a_deferred_label_error_on_one_rank_stops_every_rank_at_the_count_gather
         thread.join()
     assert isinstance(errors[1], GradAccDataError) and "holds the id 10000" in str(errors[1]), errors
     assert isinstance(errors[0], GradAccDataError) and "Rank(s) [1]" in str(errors[0]), errors
+
+
+def test_the_non_finite_verdict_is_one_read_and_keeps_this_ranks_own():
+    """The step's non-finite verdict (`agreed_nonfinite`): this rank's flag and the sum over ranks in ONE read, this
+    rank's flag kept apart from the sum (the backend's all-reduce sums in place)."""
+    from hf_gradacc.step.nonfinite import agreed_nonfinite
+
+    def another_rank_is_not_finite(flag):  # sum_over_processes on 2 ranks: in place, the other rank's flag added
+        return flag.add_(1.0)
+
+    DeviceResident.reads = Counter()
+    norm = torch.tensor(2.0).as_subclass(DeviceResident)
+    assert agreed_nonfinite(norm, agree=another_rank_is_not_finite) == (True, False)
+    assert sum(DeviceResident.reads.values()) == 1, DeviceResident.reads
