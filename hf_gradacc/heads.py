@@ -211,40 +211,62 @@ class Head:
 
         return Counter(self).count_batch(batch)
 
-    def check_batch(self, batch: Mapping[str, Any]) -> None:
+    def check_batch(self, batch: Mapping[str, Any], *, deferred: bool = False) -> tuple[Any, Any]:
         """The checks every micro-batch passes before it is counted (:class:`~hf_gradacc.counting.Counter`): its
-        labels (:meth:`check_labels`), and a warning for rows trained on positions the model does not attend to."""
-        self.check_labels(batch)
-        self._warn_unattended_rows(batch)
+        labels (:meth:`check_labels`), and a warning for rows trained on positions the model does not attend to.
 
-    def _warn_unattended_rows(self, batch: Mapping[str, Any]) -> None:
+        Returns ``(label_errors, unattended_rows)``: ``(0, 0)`` when checked at once (a refused id raises, the rows
+        are warned about). ``deferred``: the two checks that need tensor values read none; their findings are 0-dim
+        tensors where the batch is, which the step's count transfer brings to the host
+        (:func:`~hf_gradacc.counting.gather_window_counts`, which checks a flagged micro-batch again at once). Checks
+        of shapes and dtypes raise at once either way.
+
+        Example:
+            ```python
+            head.check_batch(batch)                      # raises for a label id outside the vocabulary
+            bad, _ = head.check_batch(batch, deferred=True)
+            int(bad)                                     # the number of such ids (a read of a device value)
+            ```
+        """
+        label_errors = self.check_labels(batch, deferred=deferred)
+        return label_errors, self._warn_unattended_rows(batch, deferred=deferred)
+
+    def _warn_unattended_rows(self, batch: Mapping[str, Any], *, deferred: bool = False) -> Any:
         """A row whose ``attention_mask`` is all zeros but whose labels count: trained and counted on positions the
-        model does not attend to (most often a collator bug, e.g. a mask built for another padding side)."""
+        model does not attend to (most often a collator bug, e.g. a mask built for another padding side). Returns 0,
+        or with ``deferred`` the number of such rows, unread, instead of the warning."""
         mask, labels = batch.get("attention_mask"), batch.get(LABEL_KEY)
         if (
             not (torch.is_tensor(mask) and mask.dim() == 2 and torch.is_tensor(labels))
             or labels.shape[:1] != mask.shape[:1]
         ):
-            return
+            return 0
         counted = labels.reshape(labels.shape[0], -1) != self.ignore_index if not labels.is_floating_point() else None
         counted = counted.any(1) if counted is not None else torch.ones_like(mask[:, 0], dtype=torch.bool)
-        rows = ((mask.sum(1) == 0) & counted).nonzero().reshape(-1).tolist()
+        unattended = (mask.sum(1) == 0) & counted
+        if deferred:
+            return unattended.sum()
+        rows = unattended.nonzero().reshape(-1).tolist()
         if rows:
             logger.warning_once(
                 f"Row(s) {rows} of a micro-batch have an `attention_mask` of all zeros but counted `labels`: they are "
                 f"trained and counted on positions the model does not attend to. Mask their labels with "
                 f"`ignore_index` ({self.ignore_index}) or drop such rows in the data collator."
             )
+        return 0
 
-    def check_labels(self, batch: Mapping[str, Any]) -> None:
+    def check_labels(self, batch: Mapping[str, Any], *, deferred: bool = False) -> Any:
         """Raise :class:`~hf_gradacc.GradAccDataError` for labels this head cannot train on: the wrong shape for the
         family (token labels on a sequence head and the reverse, a length that differs from ``input_ids``) or class
-        ids outside ``[0, num_classes)`` other than ``ignore_index``. Nothing is checked for an unknown head."""
+        ids outside ``[0, num_classes)`` other than ``ignore_index``. Nothing is checked for an unknown head.
+
+        Returns 0; with ``deferred``, the number of refused class ids as a 0-dim tensor, unread (the range check is
+        the one that needs the labels' values): the caller raises once it has read it."""
         labels = batch.get(SHIFT_LABELS_KEY) if self.type == "causal_lm" and SHIFT_LABELS_KEY in batch else None
         key = SHIFT_LABELS_KEY if labels is not None else LABEL_KEY
         labels = labels if labels is not None else batch.get(LABEL_KEY)
         if self.type is None or not torch.is_tensor(labels):
-            return
+            return 0
         fix = f"Fix the data collator, or set `head_type` if the model's head is not a {self.type} head."
         why = labels.dtype == torch.bool and bool_labels_problem(
             key, self.type, self.problem_type_of(labels), labels.shape
@@ -270,11 +292,13 @@ class Head:
                     f"{self.type} head needs one label per input token. {fix}"
                 )
         if labels.is_floating_point() or labels.dtype == torch.bool or self.problem_type_of(labels) == "regression":
-            return  # regression: any number is a target (integer ratings too), as in the stock Trainer's MSELoss
+            return 0  # regression: any number is a target (integer ratings too), as in the stock Trainer's MSELoss
         self._check_label_dtype(key, labels)
         if self.num_classes is None:
-            return
+            return 0
         bad = (labels != self.ignore_index) & ((labels < 0) | (labels >= self.num_classes))
+        if deferred:
+            return bad.sum()
         if bool(bad.any()):
             value = int(labels[bad].reshape(-1)[0])
             raise GradAccDataError(
@@ -283,6 +307,7 @@ class Head:
                 f"({self.ignore_index}). Mask such positions with {self.ignore_index}, or set `ignore_index` to the "
                 "value your data uses."
             )
+        return 0
 
     def _check_label_dtype(self, key: str, labels: torch.Tensor) -> None:
         """Integer labels of a dtype that cannot hold ``ignore_index`` or every class id: before any compare with

@@ -155,10 +155,16 @@ def target_weights(
 
 
 def target_weight_sum(
-    batch: Mapping[str, Any], head_type: str, *, ignore_index: int = IGNORE_INDEX, problem_type: str | None = None
+    batch: Mapping[str, Any],
+    head_type: str,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    problem_type: str | None = None,
+    deferred: bool = False,
 ) -> float | None:
     """The sum (in float64) of the weights of the micro-batch's counted targets; None when it has no
-    ``loss_weights`` (an unweighted micro-batch)."""
+    ``loss_weights`` (an unweighted micro-batch). ``deferred``: the sum stays a 0-dim float64 tensor (the weights'
+    value checks still read)."""
     weights = batch.get(LOSS_WEIGHTS_KEY)
     if weights is None:
         return None
@@ -174,7 +180,8 @@ def target_weight_sum(
         shift_labels=shift_labels,
         problem_type=problem_type,
     )
-    return float(per_target.double().sum())
+    total = per_target.double().sum()
+    return total if deferred else float(total)
 
 
 def weighted_loss_sum(

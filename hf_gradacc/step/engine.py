@@ -162,9 +162,10 @@ class StepEngine:
         ``loss_weights``, ``"tokens"`` for every other head."""
         return primary_denominator(self.head, self.window)
 
-    def count(self, batch: Mapping[str, Any]) -> Any:
-        """What this rank counts of ``batch``: the whole micro-batch, or its context-parallel shard."""
-        return self.counter.count(batch)
+    def count(self, batch: Mapping[str, Any], *, deferred: bool = False) -> Any:
+        """What this rank counts of ``batch``: the whole micro-batch, or its context-parallel shard (``deferred``:
+        its counts left on the device until the step's count transfer, :meth:`~hf_gradacc.counting.Counter.count`)."""
+        return self.counter.count(batch, deferred=deferred)
 
     def add_grad_hook(self, hook: AccumulatedGradHook, *, local: bool) -> None:
         if self.training_started:
@@ -215,7 +216,8 @@ class StepEngine:
         else:
             window = Window.prefetched(
                 batches,
-                count=self.count,
+                count=partial(self.count, deferred=True),  # no device value read per micro-batch: one per step
+                recheck=self.count,
                 all_gather=self.backend.all_gather,
                 device=host.args.device,
                 dp_world_size=world,

@@ -87,9 +87,10 @@ def agreed_flags(
         flag = torch.zeros(1, dtype=torch.float32, device=norm.device)
     if signalled is not None:
         flag = torch.cat([flag, torch.tensor([float(signalled)], device=flag.device)])
-    local = bool(flag[0].item())
-    summed = agree(flag).tolist()  # a SUM of flags: never loses a NaN the way a MAX of norms can
-    return bool(summed[0]), local, int(summed[1]) if signalled is not None else 0
+    summed = agree(flag.clone())  # a SUM of flags (in place, hence the copy): never loses a NaN as a MAX of norms can
+    # the agreed flags and this rank's own in one read of the device (the step's one read besides the count gather's)
+    values = torch.cat([summed.reshape(-1).to(flag.device), flag[:1]]).tolist()
+    return bool(values[0]), bool(values[-1]), int(values[1]) if signalled is not None else 0
 
 
 def step_verdict(

@@ -130,16 +130,21 @@ class Window:
         device: torch.device | str,
         dp_world_size: int,
         defers_sync: bool = False,
+        recheck: Callable[[Mapping[str, Any]], Any] | None = None,
     ) -> Window:
         """The window of this rank's fetched ``batches``: each one counted, the counts summed over ranks (one
-        collective). A batch that cannot be counted on any rank stops every rank (see :func:`gather_window_counts`)."""
+        collective) and brought to the host (one transfer). A batch that cannot be counted on any rank stops every
+        rank (see :func:`gather_window_counts`). ``count`` may leave its counts on the device
+        (:meth:`~hf_gradacc.counting.Counter.count` ``deferred``); ``recheck`` then counts a batch whose deferred
+        checks found a problem again at once, for the check's own error or warning."""
         counted: list[MicroBatchCounts] = []
         error: BaseException | None = None
         try:
             counted = [count(b) for b in batches]
         except GradAccError as exc:  # agreed below: every rank stops, none waits in a later collective
             error = exc
-        counts = gather_window_counts(counted, all_gather, device=device, error=error)
+        again = None if recheck is None else lambda i: recheck(batches[i])
+        counts = gather_window_counts(counted, all_gather, device=device, error=error, recheck=again)
         return cls(micro_batches=batches, counts=counts, dp_world_size=dp_world_size, defers_sync=defers_sync)
 
     @classmethod
