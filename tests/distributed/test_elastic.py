@@ -3,9 +3,9 @@
 lost). The survivor leaves its collective with the library's error within ``ddp_timeout`` (no hang), its agent
 restarts it on a world of 1, the restarted worker resumes from the newest complete checkpoint and finishes.
 
-Exactness across the world change (the restarted run trains what the uninterrupted 2-process run trains in each
-step) needs ``total_train_batch_size`` (issue 35, item 1, built on another branch): see
-:func:`assert_equals_uninterrupted_run`, the follow-up assertion to wire once that field exists.
+Both runs hold ``--total_train_batch_size 8`` (GA 2 on 2 processes, 4 after the restart on 1): the elastic run ends on
+the weights of the same command run uninterrupted on 2 processes, within 1e-5 of the parameter change
+(:func:`assert_equals_uninterrupted_run`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from hf_gradacc.checkpoints import COMPLETE_NAME, latest_complete_checkpoint
 
-from .launcher import find_free_port, kill_tree, launch_env
+from .launcher import find_free_port, kill_tree, launch_env, run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -45,16 +45,23 @@ def _agent(index: int, port: int, out: Path, log: Path) -> subprocess.Popen:
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"elastic-{port}",
         "--rdzv-conf", rdzv_conf, "--max-restarts", "1", "--monitor-interval", "0.5",
-        str(EXAMPLE),
-        "--output_dir", str(out), "--save_steps", "2", "--max_steps", str(MAX_STEPS), "--save_on_preemption", "true",
-        "--ddp_timeout", str(DDP_TIMEOUT_S), "--use_cpu", "true", "--ddp_backend", "gloo", "--report_to", "none",
-        "--disable_tqdm", "true", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-        "--learning_rate", "1e-3", "--seconds_per_step", "1.0", "--logging_steps", "1",
+        str(EXAMPLE), *_script_args(out), "--seconds_per_step", "1.0",
     ]  # fmt: skip
     return subprocess.Popen(
         command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=launch_env(extra={"LOGLEVEL": "INFO"}),
         start_new_session=True,
     )
+
+
+def _script_args(out: Path) -> list[str]:
+    """The example's arguments, the same at every start and for the uninterrupted run: the global batch held by
+    ``total_train_batch_size`` (8 = 2 per device x GA 2 x 2 processes, GA 4 on 1)."""
+    return [
+        "--output_dir", str(out), "--save_steps", "2", "--max_steps", str(MAX_STEPS), "--save_on_preemption", "true",
+        "--ddp_timeout", str(DDP_TIMEOUT_S), "--use_cpu", "true", "--ddp_backend", "gloo", "--report_to", "none",
+        "--disable_tqdm", "true", "--per_device_train_batch_size", "2", "--total_train_batch_size", "8",
+        "--learning_rate", "1e-3", "--logging_steps", "1",
+    ]  # fmt: skip
 
 
 def _records(out: Path) -> list[dict]:
@@ -72,10 +79,8 @@ def _wait(what: str, condition, deadline: float, logs: list[Path]) -> float:
 
 
 def assert_equals_uninterrupted_run(run_dir: Path, uninterrupted_dir: Path, initial_dir: Path) -> None:
-    """FOLLOW-UP (needs ``total_train_batch_size``, issue 35 item 1): the elastic run's final weights equal an
-    uninterrupted 2-process run's within 1e-5, relative to the parameter change. Wire it into
-    :func:`test_torchrun_elastic_survives_a_lost_node` by running both with ``--total_train_batch_size 8`` and the
-    uninterrupted one as ``torchrun --nproc-per-node 2 examples/elastic_clm.py ...`` into ``uninterrupted_dir``."""
+    """The elastic run's final weights equal the uninterrupted 2-process run's within 1e-5, relative to the parameter
+    change from ``initial_dir``'s weights."""
     ours, theirs = load_file(str(run_dir / "model.safetensors")), load_file(str(uninterrupted_dir / "model.safetensors"))
     initial = load_file(str(initial_dir / "model.safetensors"))
     diff = sum(float((ours[n] - theirs[n]).double().pow(2).sum()) for n in theirs)
@@ -126,12 +131,16 @@ def test_torchrun_elastic_survives_a_lost_node() -> None:
     assert records[-1]["event"] == "finished" and records[-1]["global_step"] == MAX_STEPS, records
     assert (run / "train_results.json").exists()
     assert time.monotonic() - began < DEADLINE_S
-    # FOLLOW-UP: assert_equals_uninterrupted_run(run, <uninterrupted 2-process run>, run / "tiny_model"), once
-    # `total_train_batch_size` holds the global batch across the change (issue 35 item 1).
+    assert first["gradient_accumulation_steps"] == 2 and restart["gradient_accumulation_steps"] == 4, records
+
+    # the same command, uninterrupted on 2 processes: the elastic run trained the same samples in every step
+    uninterrupted = out / "uninterrupted"
+    run_workers(EXAMPLE, nproc=2, args=_script_args(uninterrupted), method="torchrun", timeout=180, out_dir=out)
+    assert_equals_uninterrupted_run(run, uninterrupted, run / "tiny_model")
 
 
-def test_the_follow_up_assertion_can_fail(tmp_path: Path) -> None:
-    """The follow-up assertion is not vacuous: two different weights files fail it, the same passes."""
+def test_the_exactness_assertion_can_fail(tmp_path: Path) -> None:
+    """The exactness assertion is not vacuous: two different weights files fail it, the same passes."""
     from safetensors.torch import save_file
 
     for name, value in (("a", 1.0), ("b", 1.5), ("init", 0.0)):
