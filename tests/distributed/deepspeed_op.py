@@ -100,11 +100,24 @@ def lock_holders(path: Path) -> list[int]:
     return holders
 
 
+def lock_file_blocks() -> bool:
+    """Whether torch's extension build lock blocks by the file's existence (``FileBaton``, torch <= 2.14), so that a
+    file left by a killed process is stale. torch 2.15 holds an advisory ``FileLock`` on the file instead: the kernel
+    releases it when its holder dies and the file stays after every build, so a file no one holds is no stale lock.
+    """
+    import torch.utils.cpp_extension as cpp_extension
+
+    return hasattr(cpp_extension, "FileBaton")
+
+
 def stale_lock(env: Mapping[str, str] | None = None) -> Path | None:
-    """The op's build lock if it exists and no live process holds it (looked at twice, a moment apart)."""
+    """The op's build lock if it exists and no live process holds it (looked at twice, a moment apart); None where
+    torch's lock does not block by its file's existence (:func:`lock_file_blocks`)."""
     path = lock_path(env)
     if not path.exists() or not Path("/proc/self/fd").is_dir():
         return None  # no lock; or no /proc to tell a stale lock from a held one
+    if not lock_file_blocks():
+        return None  # torch's advisory lock: a file no process holds blocks no one
     try:
         inode = path.stat().st_ino
     except FileNotFoundError:

@@ -187,7 +187,12 @@ class CollectiveCounter:
     """Counts the ``torch.distributed`` reduce-scatter and all-reduce calls made while it is entered (FSDP2 looks
     these functions up per call)."""
 
-    FUNCTIONS = (("reduce_scatter", "reduce_scatter_single"), ("all_reduce", "all_reduce"))
+    # The first name torch has: FSDP2 calls ``reduce_scatter_single`` where it exists, ``reduce_scatter_tensor`` before
+    # (torch 2.6 has only the latter).
+    FUNCTIONS = (
+        ("reduce_scatter", ("reduce_scatter_single", "reduce_scatter_tensor")),
+        ("all_reduce", ("all_reduce",)),
+    )
 
     def __init__(self) -> None:
         self.counts = {key: 0 for key, _ in self.FUNCTIONS}
@@ -196,7 +201,8 @@ class CollectiveCounter:
     def __enter__(self) -> CollectiveCounter:
         import torch.distributed as dist
 
-        for key, fn_name in self.FUNCTIONS:
+        for key, names in self.FUNCTIONS:
+            fn_name = next(name for name in names if hasattr(dist, name))
             original = getattr(dist, fn_name)
             self._originals[fn_name] = original
 
