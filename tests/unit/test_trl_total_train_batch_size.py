@@ -7,6 +7,7 @@ given): GA 4 but ``steps_per_generation`` 1 (generation batch 2), a step exact o
 against the float64 reference) but 1.6 (relative) off the same run with ``gradient_accumulation_steps=4`` by hand
 (another generation cadence: other completions, other advantages). So a derived generation batch is refused, naming
 the way out; a generation batch given by hand is kept and the run is the hand-given GA's run.
+TRL's distillation derives nothing in its config and reads GA when training: the hand-given GA's run too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 pytest.importorskip("trl")
 
@@ -23,7 +25,14 @@ from hf_gradacc import GradAccConfigError  # noqa: E402
 from hf_gradacc.testing.grpo_steps import build_tiny_policy, grpo_prompts, grpo_tokenizer, length_reward  # noqa: E402
 from hf_gradacc.testing.one_step import one_step_args  # noqa: E402
 from hf_gradacc.testing.reference import compare  # noqa: E402
-from hf_gradacc.trl import GradAccGRPOConfig, GradAccGRPOTrainer, GradAccRLOOConfig, GradAccRLOOTrainer  # noqa: E402
+from hf_gradacc.trl import (  # noqa: E402
+    GradAccDistillationConfig,
+    GradAccDistillationTrainer,
+    GradAccGRPOConfig,
+    GradAccGRPOTrainer,
+    GradAccRLOOConfig,
+    GradAccRLOOTrainer,
+)
 from tests.unit.test_trl_grpo import grpo_args, grpo_run, reference_of  # noqa: E402
 
 TOL = 1e-5
@@ -105,4 +114,23 @@ def test_with_steps_per_generation_given_the_run_is_the_hand_given_accumulation_
     error = compare(held, by_hand).relative_error
     print(f"{which}: total_train_batch_size 8 (batch 2, spg 4) against GA 4 by hand: {error:.3g}; "
           f"float64 reference {reference:.3g}")  # fmt: skip
+    assert error <= TOL and reference <= TOL
+
+
+def test_distillation_follows_the_derived_accumulation(tmp_path) -> None:
+    """TRL's DistillationConfig derives nothing from GA; its trainer reads it when training (sampler, generation):
+    ``total_train_batch_size`` 8 at batch 2 trains the step of ``gradient_accumulation_steps=4`` by hand."""
+    from tests.unit.test_trl_distillation import TEACHER_HEAD_SCALE, distill, error_of  # noqa: PLC0415
+
+    teacher = build_tiny_policy(1)
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(TEACHER_HEAD_SCALE)  # the pair of test_trl_distillation.py
+    pair = (build_tiny_policy(0), teacher)
+    by_hand, _ = distill(GradAccDistillationTrainer, GradAccDistillationConfig, pair, tmp_path / "hand")
+    held, trainer = distill(GradAccDistillationTrainer, GradAccDistillationConfig, pair, tmp_path / "total",
+                            split=(2, 1), total_train_batch_size=8)  # fmt: skip
+    assert trainer.args.gradient_accumulation_steps == 4 and len(trainer.recorded_micro_batches) == 4
+    assert trainer._logs["completion"].maxlen == 8  # TRL sized its completion log from the given GA (2)
+    error, reference = compare(held, by_hand).relative_error, error_of(pair, held, trainer)
+    print(f"distillation: total_train_batch_size 8 (batch 2) against GA 4 by hand: {error:.3g}; float64 {reference:.3g}")
     assert error <= TOL and reference <= TOL
