@@ -88,9 +88,30 @@ def plugin_knobs(cfg: Any) -> dict[str, Any]:
     return {**AXOLOTL_DEFAULTS, **dict(cfg.get("gradacc") or {})}
 
 
+def refuse_total_train_batch_size(cfg: Mapping[str, Any], knobs: Mapping[str, Any]) -> None:
+    """``gradacc: {total_train_batch_size: ...}`` is refused: axolotl derives ``batch_size`` (``micro_batch_size`` x
+    ``gradient_accumulation_steps`` x processes) and from it the run's total steps, its multipack batches and its
+    schedule when it loads the config, before the trainer exists; an accumulation derived afterwards by the trainer
+    would leave them planned for the old one. The way out, named with the values: axolotl's own keys."""
+    total = knobs.get("total_train_batch_size")
+    if total is None:
+        return
+    micro, world = cfg.get("micro_batch_size") or 1, cfg.get("world_size") or 1
+    fits = total % (micro * world) == 0
+    hint = f" (here {total} // ({micro} x {world}) = {total // (micro * world)})" if fits else ""
+    raise GradAccConfigError(
+        f"`gradacc: {{total_train_batch_size: {total}}}` is not supported by hf_gradacc's axolotl plugin: axolotl "
+        "computes `batch_size` (`micro_batch_size` x `gradient_accumulation_steps` x processes) and from it the "
+        "run's total steps, its sample-packing batches and its schedule when it loads the config, before the trainer "
+        "that would derive the accumulation exists. Drop `total_train_batch_size` from `gradacc` and set axolotl's "
+        f"`micro_batch_size` and `gradient_accumulation_steps` = total / (`micro_batch_size` x processes){hint}."
+    )
+
+
 def check_axolotl_config(cfg: Mapping[str, Any], knobs: Mapping[str, Any]) -> None:
     """Raise :class:`~hf_gradacc.GradAccConfigError` for an axolotl setup the plugin cannot make exact, with the key
     to change."""
+    refuse_total_train_batch_size(cfg, knobs)
     for key in ("context_parallel_size", "sequence_parallel_degree", "tensor_parallel_size"):
         if (cfg.get(key) or 1) > 1:
             raise GradAccConfigError(

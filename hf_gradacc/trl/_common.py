@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..compat import installed_version, trl_at_least
-from ..config import GradAccArguments, resolve_settings
+from ..config import GradAccArguments, given_accumulation, resolve_settings
 from ..data.loader import build_train_dataloader, check_train_dataset
 from ..errors import GradAccConfigError, GradAccDataError
 from ..loss import LossTerm
@@ -57,6 +57,43 @@ def check_args_class(args: Any, trl_config: type, ours: type) -> None:
             f"hf_gradacc fields. Use hf_gradacc.trl.{ours.__name__} (a {trl_config.__name__} with the knobs), or a "
             f"{trl_config.__name__} with `gradacc_args=`."
         )
+
+
+# On the arguments of GradAccGRPOConfig / GradAccRLOOConfig: whether `steps_per_generation` or
+# `generation_batch_size` was given (TRL's `__post_init__` derives both from `gradient_accumulation_steps` otherwise).
+GENERATION_GIVEN = "_hf_gradacc_generation_given"
+
+
+def note_generation_given(args: Any) -> None:
+    """Before TRL's ``__post_init__``: record whether the generation batch was given, or is to be derived from
+    ``gradient_accumulation_steps`` (:func:`refuse_generation_for_the_given_accumulation`)."""
+    given = args.steps_per_generation is not None or args.generation_batch_size is not None
+    args.__dict__[GENERATION_GIVEN] = given
+
+
+def refuse_generation_for_the_given_accumulation(trainer: GradAccMixin) -> None:
+    """GRPO / RLOO under ``total_train_batch_size``: TRL's config derived ``steps_per_generation`` and
+    ``generation_batch_size`` from ``gradient_accumulation_steps`` as given, before the trainer replaced it with the
+    accumulation of the total. Its sampler would then generate for the old accumulation (another run than the same
+    step count given by hand, or TRL's divisibility error at config time): refused naming both values and the way
+    out. A generation batch given by hand (``steps_per_generation`` / ``generation_batch_size``) does not follow the
+    accumulation and is kept; so is a derived accumulation equal to the one given."""
+    held, args = trainer.global_batch, trainer.args
+    if held is None or held.accumulation == held.given:
+        return
+    given = args.__dict__.get(GENERATION_GIVEN)
+    if given is None:  # TRL's own config (gradacc_args=...): TRL's default is steps_per_generation = the given GA
+        given = args.steps_per_generation != given_accumulation(args)
+    if given:
+        return
+    raise GradAccConfigError(
+        f"`total_train_batch_size` ({held.total}) is not supported by {type(trainer).__name__} with a derived "
+        f"generation batch: TRL's config set `steps_per_generation` ({args.steps_per_generation}) from "
+        f"`gradient_accumulation_steps` as given ({held.given}) before the trainer derived {held.accumulation} "
+        f"({held.describe()}), so it would generate for {held.given} micro-batches per step, not {held.accumulation}. "
+        f"Set `gradient_accumulation_steps={held.accumulation}` instead of `total_train_batch_size`, or give "
+        f"`steps_per_generation` (e.g. {held.accumulation}) or `generation_batch_size` by hand."
+    )
 
 
 def refuse_uneven_micro_batches(trainer: GradAccMixin, *, rows_gathered: bool) -> None:

@@ -23,6 +23,7 @@ when both are model objects (a model given as a path: TRL's ValueError, after lo
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,10 @@ class GradAccDistillationTrainer(GradAccMixin, GeneratesAtFetch, DistillationTra
         :func:`~hf_gradacc.make_exact`)."""
         super()._setup_gradacc(gradacc_args)
         refuse_uneven_micro_batches(self, rows_gathered=True)
+        if self.global_batch is not None:  # TRL sized its completion log from the GA given, before the total's
+            args, processes = self.args, self.accelerator.num_processes
+            size = args.per_device_train_batch_size * processes * self.global_batch.accumulation
+            self._logs = {key: deque(logged, maxlen=size) for key, logged in self._logs.items()}
         name = type(self).__name__
         if self.gradacc.regroups:
             raise GradAccConfigError(

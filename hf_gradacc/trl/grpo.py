@@ -34,7 +34,9 @@ from ._common import (
     ForwardRecorder,
     agree_on_micro_batches,
     check_args_class,
+    note_generation_given,
     refuse_before,
+    refuse_generation_for_the_given_accumulation,
     refuse_uneven_micro_batches,
     router_term,
     training_window,
@@ -74,7 +76,14 @@ class GradAccGRPOConfig(GradAccArguments, GRPOConfig):
         args = GradAccGRPOConfig(output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=4,
                                  num_generations=4, steps_per_generation=8, loss_type="dapo")
         ```
+
+    With ``total_train_batch_size``, give ``steps_per_generation`` or ``generation_batch_size`` too: TRL derives
+    them here from ``gradient_accumulation_steps`` before the trainer derives it (refused at construction otherwise).
     """
+
+    def __post_init__(self) -> None:
+        note_generation_given(self)
+        super().__post_init__()
 
 
 class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
@@ -124,6 +133,7 @@ class GradAccGRPOTrainer(GradAccMixin, GRPOTrainer):
         """The mixin's setup, then GRPO's refusals (also run by :func:`~hf_gradacc.make_exact`)."""
         super()._setup_gradacc(gradacc_args)
         self._refuse_grpo_settings()
+        refuse_generation_for_the_given_accumulation(self)
         refuse_uneven_micro_batches(self, rows_gathered=True)
 
     # ------------------------------------------------------------------ fetch: generate before counting

@@ -31,6 +31,8 @@ from ..mixin import GradAccMixin
 from ._common import (
     GeneratesAtFetch,
     check_args_class,
+    note_generation_given,
+    refuse_generation_for_the_given_accumulation,
     refuse_uneven_micro_batches,
     training_window,
 )
@@ -52,11 +54,14 @@ class GradAccRLOOConfig(GradAccArguments, RLOOConfig):
         ```
 
     ``num_generations`` below 2 is refused here, before TRL's own checks (whose divisibility test divides by it), as a
-    :class:`~hf_gradacc.GradAccConfigError` naming the field.
+    :class:`~hf_gradacc.GradAccConfigError` naming the field. With ``total_train_batch_size``, give
+    ``steps_per_generation`` or ``generation_batch_size`` too (TRL derives them here from
+    ``gradient_accumulation_steps``; refused at construction otherwise).
     """
 
     def __post_init__(self) -> None:
         refuse_single_generation(self.num_generations)
+        note_generation_given(self)
         super().__post_init__()
 
 
@@ -106,6 +111,7 @@ class GradAccRLOOTrainer(GradAccMixin, GeneratesAtFetch, RLOOTrainer):
         """The mixin's setup, then RLOO's refusals (also run by :func:`~hf_gradacc.make_exact`)."""
         super()._setup_gradacc(gradacc_args)
         refuse_uneven_micro_batches(self, rows_gathered=True)
+        refuse_generation_for_the_given_accumulation(self)
         name = type(self).__name__
         if self.gradacc.regroups:
             raise GradAccConfigError(

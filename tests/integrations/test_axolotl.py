@@ -253,6 +253,13 @@ def test_dpo_accumulated_step_equals_the_full_batch_step(causal: dict[str, Any],
         ({"sample_packing": True, "attn_decontaminates_packing": True}, {"regroup_micro_batches": True},
          "two planners"),
         ({"context_parallel_size": 2}, {}, "`context_parallel_size: 2`"),
+        ({"micro_batch_size": 2, "world_size": 2}, {"total_train_batch_size": 16},
+         "`gradacc: {total_train_batch_size: 16}` is not supported by hf_gradacc's axolotl plugin"),
+        ({"micro_batch_size": 2, "world_size": 2}, {"total_train_batch_size": 16},
+         "`micro_batch_size` and `gradient_accumulation_steps` = total / (`micro_batch_size` x processes) (here 16 "
+         "// (2 x 2) = 4)"),
+        ({"micro_batch_size": 2}, {"total_train_batch_size": 3}, "`gradient_accumulation_steps` = total / (`micro_batch_size` x "
+         "processes)."),
     ],
 )  # fmt: skip
 def test_refused_setups_name_the_key(config: dict, knobs: dict, message: str) -> None:
