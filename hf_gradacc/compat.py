@@ -205,6 +205,12 @@ TRL_MEMBERS: tuple[PrivateMember, ...] = (
             ("_current_train_step_time", "attribute"),
         )
     ),
+    PrivateMember(
+        owner="trl.DistillationTrainer",
+        name="_logs",
+        kind="attribute",
+        used_by="trl/distillation.py: the completion log resized to the step `total_train_batch_size` makes",
+    ),
 )
 
 # accelerate: the sync flag the Trainer and accelerate's optimizer wrapper read, and what the opt-in CPU patches touch.
