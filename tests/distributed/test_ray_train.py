@@ -6,13 +6,15 @@ after checkpoint 2 (``FailureConfig(max_failures=1)`` restarts the group), resum
 folder; and the same with each worker resuming from its own copy of it (another folder per worker, as a download
 from cloud storage gives: the ranks agree on the checkpoint by its content).
 
-Skipped where Ray is not installed (``pip install "hf_gradacc[ray]"``). Each case starts a local Ray instance:
-1.5 to 3 minutes each on 2 busy cores.
+Ray Train is in the ``test`` extra. The module starts one local Ray instance (``ray.init``, with the launched ranks'
+environment) and each case's script joins it through ``RAY_ADDRESS``, as a driver joins a running cluster: the
+instance's start-up is paid once. Under pytest-xdist the cases share one worker (``xdist_group``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +30,27 @@ pytest.importorskip("ray.train", reason="Ray Train is not installed (pip install
 EXAMPLE = REPO_ROOT / "examples" / "ray_train.py"
 TOLERANCE = 1e-5
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.ray, pytest.mark.xdist_group("ray")]
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """One local Ray instance for the module; its processes inherit the launched ranks' environment."""
+    import ray
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(launch_env(extra=RAY_ENV, hide_gpus=True))
+    try:
+        context = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        yield context.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
 
 
 def _weights(result: Path) -> dict[str, torch.Tensor]:
@@ -65,9 +87,9 @@ def _relative_change_error(got: dict, reference: dict) -> float:
         ("failure_own_copies", ["--fail_after_step", "2", "--own_copy"]),
     ],
 )
-def test_ray_train_equals_the_run_without_ray(case, args, without_ray, tmp_path) -> None:
+def test_ray_train_equals_the_run_without_ray(case, args, without_ray, ray_address, tmp_path) -> None:
     out = tmp_path / case
-    env = launch_env(extra={"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}, hide_gpus=True)
+    env = launch_env(extra={**RAY_ENV, "RAY_ADDRESS": ray_address}, hide_gpus=True)
     log = tmp_path / "ray.log"
     with open(log, "w") as stream:
         proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--output_dir", str(out), *args], env=env,
