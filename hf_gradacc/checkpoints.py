@@ -745,7 +745,9 @@ _WEIGHT_FILES = (
 _NAMES_SHOWN = 6
 
 
-def restore_weights(model: torch.nn.Module, folder: str, *, managed_elsewhere: bool = False) -> None:
+def restore_weights(
+    model: torch.nn.Module, folder: str, *, managed_elsewhere: bool = False, field: str = "resume_from_checkpoint"
+) -> None:
     """After `Trainer._load_from_checkpoint`: every tensor of the checkpoint's model weights is in ``model``.
 
     The Trainer loads ``model.safetensors`` with ``load_state_dict``, by name, and only logs the names that do not
@@ -756,6 +758,9 @@ def restore_weights(model: torch.nn.Module, folder: str, *, managed_elsewhere: b
     them (transformers' conversion mapping of the model) and copied into the model's own. A tensor of the model that
     the checkpoint still does not restore, or a saved one that no tensor of the model takes, is a
     :class:`~hf_gradacc.GradAccConfigError` on every rank, naming them, the transformers version and the way out.
+
+    ``field`` names the setting that loaded ``folder`` in the messages: ``resume_from_checkpoint``, or
+    ``load_best_model_at_end`` (the Trainer loads the best checkpoint at the end of training by name as well).
 
     Not checked (``managed_elsewhere``): FSDP and DeepSpeed checkpoints (their own state dicts, in the model's names);
     nor adapters, nor a model sharded at load time (its checkpoints cannot be resumed; see docs/backends.md).
@@ -768,7 +773,7 @@ def restore_weights(model: torch.nn.Module, folder: str, *, managed_elsewhere: b
     if managed_elsewhere or distributed_config_of(model) is not None:
         return
     saved = _saved_weights(folder)
-    problem = None if saved is None else _restore(model, saved, folder)
+    problem = None if saved is None else _restore(model, saved, folder, field)
     problems = [(rank, p) for rank, p in enumerate(_gathered(problem)) if p is not None]  # every rank raises alike
     if problems:
         rank, message = problems[0]
@@ -798,7 +803,9 @@ def _readers(path: str) -> dict[str, Callable[[], torch.Tensor]]:
     return {key: partial(state.__getitem__, key) for key in state}
 
 
-def _restore(model: torch.nn.Module, saved: dict[str, Callable[[], torch.Tensor]], folder: str) -> str | None:
+def _restore(
+    model: torch.nn.Module, saved: dict[str, Callable[[], torch.Tensor]], folder: str, field: str
+) -> str | None:
     """Restore what the Trainer's load by name left out; why the checkpoint does not restore the model, or None."""
     import transformers
 
@@ -817,28 +824,34 @@ def _restore(model: torch.nn.Module, saved: dict[str, Callable[[], torch.Tensor]
     if not missing and not untaken:
         if others:
             logger.warning(
-                f"Resuming {folder!r}: the Trainer loads the checkpoint's weights by name and left {len(converted)} "
-                f"tensors of {name} at their values before the resume ({_names(sorted(converted))}; its 'missing "
-                f"keys' warning): transformers {transformers.__version__} saves {name} in another layout than it "
-                "trains in. hf_gradacc restored them through transformers' conversion mapping, as `from_pretrained` "
-                "converts them; every tensor of the checkpoint is restored."
+                f"Loading {folder!r} (`{field}`): the Trainer loads the checkpoint's weights by name and left "
+                f"{len(converted)} tensors of {name} at their values before the load "
+                f"({_names(sorted(converted))}; its 'missing keys' warning): transformers "
+                f"{transformers.__version__} saves {name} in another layout than it trains in. hf_gradacc restored "
+                "them through transformers' conversion mapping, as `from_pretrained` converts them; every tensor of "
+                "the checkpoint is restored."
             )
         return None
     saved_by = _saved_version(folder)
     return (
-        f"`resume_from_checkpoint` ({folder!r}): the checkpoint's weights do not restore {name}: "
+        f"`{field}` ({folder!r}): the checkpoint's weights do not restore {name}: "
         + (f"{len(missing)} of its tensors are not in it ({_names(missing)})" if missing else "")
         + ("; " if missing and untaken else "")
         + (f"{len(untaken)} saved tensors go to no tensor of the model ({_names(untaken)})" if untaken else "")
         + f"{failure}. The Trainer of transformers {transformers.__version__} (the checkpoint was saved by "
         f"{saved_by}) "
         "loads the weights by name, and the conversion mapping `from_pretrained` converts saved names with does not "
-        "turn these into the model's; resumed, the tensors left out would train on from the values they had before "
-        f"the resume, silently. Resume with a transformers version whose conversion mapping covers "
-        f"{getattr(model.config, 'model_type', name)!r} (the one that saved the checkpoint, if another), or start a "
-        "new "
-        f"run from its weights, `{name}.from_pretrained({folder!r})`, without `resume_from_checkpoint` (the "
-        "optimizer's moments and the schedule then start afresh)."
+        "turn these into the model's; the tensors left out would keep the values they had before the load, "
+        "silently. "
+        + (
+            f"Resume with a transformers version whose conversion mapping covers "
+            f"{getattr(model.config, 'model_type', name)!r} (the one that saved the checkpoint, if another), or start "
+            f"a new run from its weights, `{name}.from_pretrained({folder!r})`, without `resume_from_checkpoint` (the "
+            "optimizer's moments and the schedule then start afresh)."
+            if field == "resume_from_checkpoint"
+            else f"Set `{field}=False` and load the best checkpoint after training with "
+            f"`{name}.from_pretrained({folder!r})`, which converts it."
+        )
     )
 
 

@@ -105,6 +105,7 @@ TRAINER_MEMBERS: tuple[PrivateMember, ...] = (
         "trial",
     ),
     _trainer("_load_rng_state", "call", "mixin.py: RNG state when resuming", "checkpoint"),
+    _trainer("_load_best_model", "override", "mixin.py: the best checkpoint's converted weights restored too"),
     _trainer(
         "_maybe_log_save_evaluate",
         "call",

@@ -713,6 +713,18 @@ class GradAccMixin:
             schedule=self.gradacc.accumulation_schedule,
         )
 
+    def _load_best_model(self) -> None:
+        """`Trainer._load_best_model`; the best checkpoint's weights are then all in the model, as on a resume
+        (:func:`~hf_gradacc.checkpoints.restore_weights`: the Trainer loads them by name, which leaves a
+        mixture-of-experts model's experts at the last step's values)."""
+        super()._load_best_model()
+        restore_weights(
+            self.model,
+            self.state.best_model_checkpoint,
+            managed_elsewhere=self.is_fsdp_enabled or self.is_deepspeed_enabled,
+            field="load_best_model_at_end",
+        )
+
     # ------------------------------------------------------------------ logging, evaluation, the end
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """`Trainer.log`, with per-term losses (``loss/<name>``) and callback metrics added to training logs."""

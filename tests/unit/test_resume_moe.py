@@ -170,3 +170,35 @@ def test_tied_weights_saved_once_are_restored_through_their_twin(tmp_path) -> No
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-1"))
     for name, param in resumed.model.named_parameters():
         torch.testing.assert_close(param.detach(), dict(full.model.named_parameters())[name].detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_load_best_model_at_end_restores_the_best_checkpoints_experts(family, tmp_path, caplog) -> None:
+    """`load_best_model_at_end=True` loads the best checkpoint by name too: with the best one an earlier step's
+    (greater eval loss is better here), the model ends with every weight of that checkpoint, converted as
+    `from_pretrained` converts it, not with the last step's experts and router."""
+    args = one_step_args(str(tmp_path / "run"), args_class=GradAccConfig, per_device_train_batch_size=BS,
+                         gradient_accumulation_steps=GA, max_steps=STEPS, save_strategy="steps", save_steps=1,
+                         eval_strategy="steps", eval_steps=1, load_best_model_at_end=True,
+                         metric_for_best_model="loss", greater_is_better=True, optim="adamw_torch",
+                         learning_rate=1e-2)  # fmt: skip
+    samples = make_samples("causal_lm", BS * GA * STEPS, seed=5)
+    trainer = GradAccTrainer(model=_tiny(family), args=args, train_dataset=ListDataset(samples),
+                             eval_dataset=ListDataset(samples[:4]), data_collator=PaddingCollator())  # fmt: skip
+    last = {}
+
+    class KeepLast(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):  # the last one: before the best is loaded
+            last.update({n: p.detach().clone() for n, p in model.named_parameters()})
+
+    trainer.add_callback(KeepLast())
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and best.endswith("checkpoint-1"), best
+    expected = dict(type(trainer.model).from_pretrained(best).named_parameters())
+    experts = _experts(expected)
+    assert experts and any(not torch.equal(last[n], expected[n]) for n in experts), "the best step's experts differ"
+    for name, param in trainer.model.named_parameters():
+        torch.testing.assert_close(param.detach(), expected[name].detach(), rtol=0, atol=0, msg=name)
+    assert any("`load_best_model_at_end`" in r.getMessage() for r in caplog.records)
