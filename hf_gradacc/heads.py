@@ -49,12 +49,15 @@ _SUFFIXES: tuple[tuple[str, HeadType], ...] = (
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP / DeepSpeed / FSDP ``.module`` wrappers and PEFT's ``get_base_model``."""
+    """Strip DDP / DeepSpeed / FSDP ``.module`` wrappers, ``torch.compile``'s ``_orig_mod`` and PEFT's
+    ``get_base_model``."""
     seen = 0
     while seen < 8:
         seen += 1
         if hasattr(model, "get_base_model") and callable(model.get_base_model):
             model = model.get_base_model()
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile(model)
+            model = model._orig_mod
         elif isinstance(getattr(model, "module", None), nn.Module):
             model = model.module
         else:
