@@ -377,18 +377,19 @@ def resolve_resume(
     that cannot be carried over (:func:`check_data_layout`: this run's ``layout()``, ``resume_data_mismatch``, why the
     samples trained are not a prefix of the epoch's order, :func:`prefix_blocker`); anything else passes through."""
     world_size, rank = args.world_size, args.process_index
-    if value is True:
+    if value is True:  # the same name on every rank; on node-local disks, the same checkpoint too (checked below)
         path = latest_complete_checkpoint(args.output_dir, world_size=world_size, rank=rank)
     elif isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
-        problems = _agreed_folder(path, world_size=world_size, rank=rank)
-        if problems:
-            raise GradAccConfigError(
-                f"`resume_from_checkpoint` ({path!r}) cannot be resumed: {'; '.join(problems)}. Resume from an older "
-                "checkpoint (`resume_from_checkpoint=True` picks the newest complete one), or start without it."
-            )
     else:
         return value, None
+    problems = _agreed_folder(path, world_size=world_size, rank=rank)
+    if problems:
+        found = " (`resume_from_checkpoint=True` picked it as the newest complete one)" if value is True else ""
+        raise GradAccConfigError(
+            f"`resume_from_checkpoint` ({path!r}){found} cannot be resumed: {'; '.join(problems)}. Resume from an "
+            "older checkpoint (`resume_from_checkpoint=True` picks the newest complete one), or start without it."
+        )
     return path, check_data_layout(path, layout(), mismatch=mismatch, blocker=blocker)
 
 

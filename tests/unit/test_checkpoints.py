@@ -432,3 +432,28 @@ def test_the_warning_names_the_load_time_layout(caplog) -> None:
         check_model_sharding(model)  # without the trainer's args: no warning
     found = [r.getMessage() for r in caplog.records if "cannot be resumed" in r.getMessage()]
     assert len(found) == 1 and "`DistributedConfig(tp_size=2, fsdp_size=2)`" in found[0], found
+
+
+def test_resume_true_agrees_on_the_checkpoint_by_content_too(saved, monkeypatch) -> None:
+    """`resume_from_checkpoint=True` on node-local disks: every rank picks the same newest name, and the ranks'
+    folders of that name must hold the same checkpoint (another run's checkpoint-3 on rank 1's disk, faked through
+    the gather here) — refused on every rank, naming both, where it was agreed by name alone."""
+    import types
+
+    out, _ = saved
+    newest = os.path.join(out, "checkpoint-3")
+    other = ("/node1/out/checkpoint-3", [], "global step 3, trainer state 0123456789ab")
+
+    def rank_1_holds_another_run(value):
+        return [value, other] if isinstance(value, tuple) else [value, value]
+
+    monkeypatch.setattr(ckpt, "_gathered", rank_1_holds_another_run)
+    args = types.SimpleNamespace(world_size=2, process_index=0, output_dir=out)
+    with pytest.raises(GradAccConfigError) as info:
+        ckpt.resolve_resume(True, args=args, layout=dict, mismatch="error", blocker=None)
+    message = str(info.value)
+    assert "the ranks' folders hold different checkpoints" in message and f"rank 0's {newest!r}" in message, message
+    assert "picked it as the newest complete one" in message, message
+    monkeypatch.setattr(ckpt, "_gathered", lambda value: [value, value])  # the same checkpoint on both disks
+    path, _ = ckpt.resolve_resume(True, args=args, layout=dict, mismatch="accept", blocker=None)  # layout: not judged
+    assert path == newest
