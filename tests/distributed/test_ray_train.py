@@ -8,7 +8,7 @@ from cloud storage gives: the ranks agree on the checkpoint by its content).
 
 Ray Train is in the ``test`` extra. The module starts one local Ray instance (``ray.init``, with the launched ranks'
 environment) and each case's script joins it through ``RAY_ADDRESS``, as a driver joins a running cluster: the
-instance's start-up is paid once. Under pytest-xdist the cases share one worker (``xdist_group``).
+instance's start-up is paid once. Under pytest-xdist the module runs on one worker (``--dist loadfile``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ pytest.importorskip("ray.train", reason="Ray Train is not installed (pip install
 EXAMPLE = REPO_ROOT / "examples" / "ray_train.py"
 TOLERANCE = 1e-5
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.ray, pytest.mark.xdist_group("ray")]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.ray]
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
