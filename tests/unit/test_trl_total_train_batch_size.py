@@ -17,7 +17,8 @@ import copy
 import pytest
 import torch
 
-pytest.importorskip("trl")
+# RLOO and Distillation are wrapped from TRL 1.16 on (older TRL: TRLDependencyError at import, as in axolotl's stack).
+pytest.importorskip("trl", minversion="1.16")
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
