@@ -699,9 +699,7 @@ class GradAccMixin:
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
         if resume_from_checkpoint is not None:  # after the Trainer's own load, before the first step
-            restore_weights(
-                self.model, resume_from_checkpoint, managed_elsewhere=self.is_fsdp_enabled or self.is_deepspeed_enabled
-            )
+            self._restore_weights(resume_from_checkpoint, "resume_from_checkpoint")
         return self.step_engine.plan.resumed_start(
             self.args,
             self.state.global_step,
@@ -718,12 +716,12 @@ class GradAccMixin:
         (:func:`~hf_gradacc.checkpoints.restore_weights`: the Trainer loads them by name, which leaves a
         mixture-of-experts model's experts at the last step's values)."""
         super()._load_best_model()
-        restore_weights(
-            self.model,
-            self.state.best_model_checkpoint,
-            managed_elsewhere=self.is_fsdp_enabled or self.is_deepspeed_enabled,
-            field="load_best_model_at_end",
-        )
+        self._restore_weights(self.state.best_model_checkpoint, "load_best_model_at_end")
+
+    def _restore_weights(self, folder: str, field: str) -> None:
+        """What the Trainer's load by name of ``folder`` left out (FSDP and DeepSpeed load their own state dicts)."""
+        managed_elsewhere = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        restore_weights(self.model, folder, managed_elsewhere=managed_elsewhere, field=field)
 
     # ------------------------------------------------------------------ logging, evaluation, the end
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
