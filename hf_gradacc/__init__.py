@@ -10,10 +10,12 @@ from .errors import (
     GradAccCompatibilityError,
     GradAccConfigError,
     GradAccDataError,
+    GradAccDistributedError,
     GradAccError,
     GradAccLossError,
     GradAccUsageError,
     GradientsNotReadyError,
+    NonFiniteStepError,
     UnsupportedBackendError,
 )
 from .exact import make_exact
@@ -30,6 +32,7 @@ __all__ = [
     "GradAccConfig",
     "GradAccConfigError",
     "GradAccDataError",
+    "GradAccDistributedError",
     "GradAccError",
     "GradAccLossError",
     "GradAccMixin",
@@ -39,6 +42,7 @@ __all__ = [
     "GradAccUsageError",
     "GradientsNotReadyError",
     "LossTerm",
+    "NonFiniteStepError",
     "UnsupportedBackendError",
     "__version__",
     "gradacc_config_class",

@@ -28,7 +28,13 @@ from transformers.utils import logging
 from . import patches
 from .backends import Backend, resolve_backend
 from .backends.context_parallel import context_parallel_for
-from .backends.distributed import apply_ddp_timeout, collective_failure, finish_distributed, is_collective_failure
+from .backends.distributed import (
+    apply_ddp_timeout,
+    collective_failure,
+    failure_outside_step,
+    finish_distributed,
+    is_collective_failure,
+)
 from .backends.fsdp2 import warn_if_no_full_model
 from .backends.mesh import mesh_from_accelerator
 from .callbacks.batchnorm import batchnorm_callback_for
@@ -54,7 +60,7 @@ from .data.loader import (
     plan_epoch,
 )
 from .data.pack_check import check_packing_support
-from .errors import GradAccConfigError, GradAccLossError
+from .errors import GradAccConfigError, GradAccError, GradAccLossError
 from .fused.choice import FusedPolicy
 from .grads import AccumulatedGradHook, GradAccess
 from .heads import Head
@@ -385,7 +391,12 @@ class GradAccMixin:
         plan.resume_at = plan.data_position = None  # set once the run's layout is known / after each step
         # the fused head's weight-gradient buffer kept from window to window; SIGTERM recorded, agreed at a step's end
         with self.step_engine.keeping_buffers(), self.step_engine.preemption.watch():
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            try:
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+            except RuntimeError as error:  # a peer lost in a collective the Trainer or a callback runs itself
+                if isinstance(error, GradAccError) or not is_collective_failure(error):
+                    raise
+                raise failure_outside_step(self.state.global_step, self.args) from error
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """`Trainer.evaluate`, after letting go of the fused head's kept weight-gradient buffer (evaluation needs no

@@ -67,6 +67,18 @@ def collective_failure(step: int, micro_batch: int | None, args: Any) -> GradAcc
     )
 
 
+def failure_outside_step(step: int, args: Any) -> GradAccDistributedError:
+    """The error that replaces a collective that failed in `Trainer.train` outside an optimizer step: the Trainer's
+    own (the logged loss's gather, evaluation, the end of training) or a callback's, after optimizer ``step``."""
+    return GradAccDistributedError(
+        f"After optimizer step {step} on rank {args.process_index}, outside the step (the Trainer's logging, "
+        f"evaluation or a callback): a collective got no answer within `ddp_timeout` ({args.ddp_timeout} s) or lost "
+        "its peer; another rank froze, died or failed (see its log). Restart from the last complete checkpoint with "
+        "`resume_from_checkpoint=True` (torchrun elastic and Ray Train restart the workers themselves: "
+        "docs/elastic.md)."
+    )
+
+
 def save_failure(step: int, folder: str, previous: str | None, args: Any) -> GradAccDistributedError:
     """The error that replaces a collective failed while checkpoint ``folder`` was saved at optimizer ``step``: which
     rank, that the folder is left incomplete, and which checkpoint the next resume takes (``previous``, or None)."""

@@ -31,9 +31,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_clm.py"
 DDP_TIMEOUT_S = 30
 MAX_STEPS = 4
 DEADLINE_S = 110.0
-# what the survivor may stop with: the library's error (a collective of the step), or torch's own from a collective
-# the Trainer runs itself (its log line's loss gather) when the peer is gone
-SURVIVOR_ERRORS = ("GradAccDistributedError", "Connection closed by peer", "Connection reset by peer", "DistBackendError")  # the whole test; a hang anywhere fails here, never waits on
+# what the survivor stops with: the library's error, wherever its collective was (a step's, or the Trainer's own log
+# gather: `GradAccMixin.train` names it too), with torch's as the cause
+SURVIVOR_ERROR = "GradAccDistributedError"
 TOLERANCE = 1e-5
 
 
@@ -108,8 +108,7 @@ def test_torchrun_elastic_survives_a_lost_node() -> None:
         # the survivor's worker exits with an error (its agent logs "failed (exitcode: 1)") within ddp_timeout
         failed = _wait("the survivor's worker to fail", lambda: "failed (exitcode" in logs[0].read_text(), deadline, logs)
         assert failed - killed <= DDP_TIMEOUT_S + 5.0, failed - killed  # left its collective: no hang
-        errors = [e for e in SURVIVOR_ERRORS if e in logs[0].read_text()]
-        assert errors, logs[0].read_text()[-6000:]  # the library's error, or torch's naming the lost peer
+        assert SURVIVOR_ERROR in logs[0].read_text(), logs[0].read_text()[-6000:]  # the library's, naming the step
 
         def restarted() -> bool:
             return any(r["event"] == "start" and r["restart"] == 1 for r in _records(run))
