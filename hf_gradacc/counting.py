@@ -473,7 +473,8 @@ class Counter:
 
     :meth:`count` is what this rank holds of a training micro-batch: the whole micro-batch, or under context
     parallelism its shard (``cp``, a :class:`~hf_gradacc.backends.context_parallel.ContextParallel`: its targets and
-    input tokens, which add up over the ``cp`` group, and its samples on ``cp`` rank 0 only); plus the input tokens
+    input tokens, which add up over the ``cp`` group, and its samples on ``cp`` rank 0 only; the same for the slice
+    DeepSpeed Ulysses hands each rank of a sequence group: samples on sequence rank 0 only); plus the input tokens
     ``include_num_input_tokens_seen`` tracks. :meth:`count_batch` counts a batch as it is (evaluation).
 
     Example:
@@ -536,4 +537,7 @@ class Counter:
                 deferred=deferred,
             )
             counts = replace(counts, num_seen_tokens=seen)
-        return replace(counts, num_samples=0) if sharded and cp.rank != 0 else counts
+        # a context shard or a Ulysses slice holds part of every row of the micro-batch: its rows are counted once over
+        # the group, on its first rank (the tokens of each slice add up over the group)
+        sliced = cp is not None and (sharded or cp.sp_size > 1)
+        return replace(counts, num_samples=0) if sliced and (cp.rank, cp.sp_rank) != (0, 0) else counts

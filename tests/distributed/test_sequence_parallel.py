@@ -65,6 +65,7 @@ def test_ulysses_sequence_parallel_zero2_is_exact():
         assert payload["global_step"] == 1
         assert payload["num_unchanged"] == 0  # every trainable parameter moved
         assert payload["relative_error"] <= TOLERANCE, payload
+        assert payload["step_samples"] == [payload["num_samples"]], payload  # each row once over the sequence group
     assert ranks[0]["relative_error"] == ranks[1]["relative_error"]  # one model after the step
     # the library's own collectives in the step: the count all-gather, the non-finite flag, the gradient norm's one
     # all-reduce, and (first step) the start-up loss check; the sequence all-to-alls and gathers are DeepSpeed's
@@ -137,3 +138,4 @@ def test_ulysses_sequence_parallel_times_data_parallel_zero2_is_exact():
         assert payload["outcome"] == "trained", payload.get("traceback", payload)
         assert payload["num_unchanged"] == 0
         assert payload["relative_error"] <= TOLERANCE, payload
+        assert payload["step_samples"] == [payload["num_samples"]], payload  # sp 2 x data 2: 2 data ranks' rows

@@ -744,3 +744,19 @@ def test_context_parallel_for_places_a_rank_in_its_ulysses_group(monkeypatch):
         cp, _ = context_parallel_for(**trainer, sequence_parallel_size=2)
         places.append((cp.size, cp.sp_size, cp.sp_rank))
     assert places == [(1, 2, 0), (1, 2, 1), (1, 2, 0), (1, 2, 1)]  # DeepSpeed's groups: ranks (0, 1), (2, 3)
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_ulysses_slices_count_every_target_and_every_row_once_over_the_sequence_group(sp):
+    """The counter on the slices DeepSpeed's adapter hands each sequence rank: the targets add up to the full batch's
+    and its rows are counted once (on sequence rank 0), so `effective_batch_size`, the token statistics' samples and a
+    `LossTerm(normalize_by="samples")` see the step's samples, not ``sp`` times them."""
+    batch = ulysses_batch([16, 9, 3], 16, left=False)
+    full = Counter(Head.for_model(build_tiny_model("causal_lm"))).count(batch)
+    counts = [
+        Counter(Head.for_model(build_tiny_model("causal_lm")), cp=ContextParallel(size=1, rank=0, sp_size=sp,
+                                                                                 sp_rank=rank)).count(piece)
+        for rank, piece in enumerate(ulysses_slices(batch, sp))
+    ]  # fmt: skip
+    assert sum(c.num_tokens for c in counts) == full.num_tokens
+    assert [c.num_samples for c in counts] == [3] + [0] * (sp - 1), [c.num_samples for c in counts]

@@ -28,6 +28,7 @@ from accelerate.utils import DeepSpeedSequenceParallelConfig
 from transformers import Trainer, TrainingArguments
 
 from hf_gradacc import GradAccConfig, GradAccTrainer
+from hf_gradacc.callbacks import TokenStatsCallback
 from hf_gradacc.commands.check.sp_rows import one_sequence_parallel_set_up
 from hf_gradacc.testing.one_step import one_step_args
 from hf_gradacc.testing.reference import compare, reference_gradients
@@ -111,8 +112,9 @@ def run(trainer_name: str, batch: int, task: str = "causal_lm", *, padding: str 
     )
     cls = GradAccTrainer if trainer_name == "gradacc" else Trainer
     budget = Budget()  # every collective of the step, by who asked (the library's own: its count and its flag)
+    stats = TokenStatsCallback(keep_history=True)  # the step's samples as the library logs them
     trainer = cls(model=model, args=args, train_dataset=ListDataset(samples), data_collator=SequenceCollator(padding),
-                  callbacks=[budget])
+                  callbacks=[budget, stats])
     budget.trainer = trainer
     with budget, one_sequence_parallel_set_up():  # undone after: `--check` sets Ulysses up again in this process
         trainer.train()
@@ -126,6 +128,8 @@ def run(trainer_name: str, batch: int, task: str = "causal_lm", *, padding: str 
         "global_step": trainer.state.global_step,
         "num_unchanged": sum(int(bool((u == 0).all())) for u in update.values()),
         "steps": budget.per_step,
+        "num_samples": num_samples,
+        "step_samples": [step.samples for step in stats.history],
     }
 
 
