@@ -16,12 +16,18 @@ checkpoint after each; a causal LM and a sequence classifier (one launch, a run 
   ``ds_to_universal`` command and the ``checkpoint.load_universal`` config; the command run as printed, then the
   resume with ``load_universal`` on 1 and on 3 ranks is exact.
 
+HSDP (``scale``, one 4-rank launch and one 2-rank launch): 48 samples, per-device batch 2, total 16, stopped after
+step 1 of 3 as HSDP 2 x 2 (GA 2 on 4 data ranks, ``SHARDED_STATE_DICT``) and resumed on 2 ranks as FSDP 2 (GA 4):
+the 2-node job that lost a node, whose remaining ranks still shard (``dp_replicate_size`` 2 -> 1; accelerate refuses
+the other 2-rank shape, HSDP 2 x 1: nothing left for FSDP to shard over).
+
 A total the new world cannot hold (12 on 5 data ranks of 2) is refused at construction, naming the totals that fit
 (``tests/unit/test_total_train_batch_size.py``).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -43,12 +49,13 @@ ACCUMULATION = {1: 6, 2: 3, 3: 2}
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _launch(tmp: Path, name: str, nproc: int, backend: str, *args: str, check: bool = True) -> list[dict]:
+def _launch(tmp: Path, name: str, nproc: int, backend: str, *args: str, check: bool = True, total: int = TOTAL,
+            num_samples: int = NUM_SAMPLES) -> list[dict]:  # fmt: skip
     result = run_workers(
         WORKER,
         nproc=nproc,
-        args=["--name", name, "--batch", str(BATCH), "--ga", "1", "--total", str(TOTAL), "--tasks", ",".join(TASKS),
-              "--num-samples", str(NUM_SAMPLES), "--backend", backend, *args],
+        args=["--name", name, "--batch", str(BATCH), "--ga", "1", "--total", str(total), "--tasks", ",".join(TASKS),
+              "--num-samples", str(num_samples), "--backend", backend, *args],
         timeout=400,
         out_dir=tmp / "results",
         check=check,
@@ -133,3 +140,36 @@ def test_resumed_on_3_processes_equals_the_2_process_run(run_a, tmp_path) -> Non
     for c in _launch(tmp_path, "c", 3, backend, "--out", str(tmp_path / "c"), "--resume", resume):
         for task in TASKS:
             print(f"\n{run_a[0]} {task} 2 -> 3: {_assert_like_a(a[task], c[task], task, world=3):.2e}")
+
+
+# HSDP: 4 ranks as 2 replicas x 2 shards (2 nodes of 2 GPUs), resumed on 2 as FSDP 2 (one node left: its 2 ranks
+# still shard, nothing to replicate over); per-device batch 2, total 16: GA 2 on 4 data ranks, GA 4 on 2
+HSDP_TOTAL, HSDP_SAMPLES = 16, 48
+
+
+@pytest.mark.scale
+def test_hsdp_2x2_resumed_as_fsdp_2_equals_the_hsdp_run(tmp_path) -> None:
+    """HSDP 2 x 2 on 4 ranks (``ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)``, ``SHARDED_STATE_DICT``),
+    stopped after step 1 of 3, resumed with the same arguments on 2 ranks as FSDP 2 (``dp_replicate_size=1``): the
+    4-rank run's samples per step, its learning rates, its weights (the DCP shards of 4 ranks loaded into 2)."""
+    a = _launch(tmp_path, "a", 4, "fsdp2_sharded", "--out", str(tmp_path / "a"), "--parallelism", "2x2",
+                total=HSDP_TOTAL, num_samples=HSDP_SAMPLES)[0]  # fmt: skip
+    resume = str(tmp_path / "a" / "{task}" / "checkpoint-1")
+    b = _launch(tmp_path, "b", 2, "fsdp2_sharded", "--out", str(tmp_path / "b"), "--parallelism", "1x2",
+                "--resume", resume, total=HSDP_TOTAL, num_samples=HSDP_SAMPLES)[0]  # fmt: skip
+    for task in TASKS:
+        assert (a[task]["mesh"], a[task]["data_parallel_size"]) == ("HSDP 2 x 2", 4), a[task]["mesh"]
+        assert (b[task]["mesh"], b[task]["data_parallel_size"]) == ("FSDP 2", 2), b[task]["mesh"]
+        record = json.loads((tmp_path / "a" / task / "checkpoint-1" / "hf_gradacc_data.json").read_text())
+        assert (record["world_size"], record["data_parallel_size"]) == (4, 4), record
+        assert a[task]["gradient_accumulation_steps"] == 2 and b[task]["gradient_accumulation_steps"] == 4
+        assert a[task]["max_steps"] == b[task]["max_steps"] == 3 and b[task]["global_step"] == 3
+        assert [len(ids) for _, ids in a[task]["steps"]] == [HSDP_TOTAL] * 3
+        assert [(s, sorted(i)) for s, i in b[task]["steps"]] == [(s, sorted(i)) for s, i in a[task]["steps"] if s >= 1]
+        assert b[task]["learning_rates"] == pytest.approx(a[task]["learning_rates"], rel=1e-7)
+        layout = [m for m in b[task]["warnings"] if "world_size 4 -> 2" in m]
+        assert len(layout) == 1, b[task]["warnings"]
+        assert "gradient_accumulation_steps 2 -> 4" in layout[0] and "data_parallel_size 4 -> 2" in layout[0], layout
+        error = relative_change_error(b[task]["params"], a[task]["params"], task)
+        print(f"\nhsdp {task} HSDP 2 x 2 -> FSDP 2: {error:.2e}")
+        assert error <= 1e-5, (task, error)

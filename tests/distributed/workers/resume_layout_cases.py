@@ -130,6 +130,8 @@ def train_run(
         "params": {n: _full(p).detach().cpu().tolist() for n, p in trainer.model.named_parameters()},
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
         "max_steps": trainer.state.max_steps,
+        "mesh": trainer.backend.mesh.describe(),
+        "data_parallel_size": trainer.backend.mesh.data_parallel_size,
     }
 
 
@@ -205,10 +207,17 @@ def main() -> None:
     parser.add_argument("--tasks", default="causal_lm", help="with --total: comma-separated tiny-model heads")
     parser.add_argument("--num-samples", type=int, default=NUM_SAMPLES)
     parser.add_argument("--backend", choices=tuple(BACKENDS), default="ddp", help="with --total")
+    parser.add_argument("--parallelism", default=None, help="with an fsdp2 --backend: 'R x S', ParallelismConfig's "
+                        "dp_replicate_size x dp_shard_size (HSDP 2x2)")  # fmt: skip
     options = parser.parse_args()
     try:
         if options.total is not None:  # tests/distributed/test_total_train_batch_size.py: a run per head
             backend = backend_arguments(options.backend)
+            if options.parallelism is not None:
+                from accelerate import ParallelismConfig
+
+                replicate, shard = (int(n) for n in options.parallelism.split("x"))
+                backend["parallelism_config"] = ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard)
             payload = {
                 task: train_run(
                     os.path.join(options.out, task), batch=options.batch, ga=options.ga, task=task,
