@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     trainer = GradAccTrainer(
         model=model, args=args, train_dataset=train_dataset, data_collator=PaddingCollator(), callbacks=callbacks
     )
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     steps = [h for h in trainer.state.log_history if "accumulation_steps" in h]
     if trainer.is_world_process_zero():
         for h in steps:

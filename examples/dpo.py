@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         train_dataset=train_dataset,
         processing_class=AutoTokenizer.from_pretrained(path),
     )
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     summary = {"steps": result.global_step, "model_path": path, **(logs[-1] if logs else {})}
     if trainer.is_world_process_zero():

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = CountingTrainer(model=model, args=args, train_dataset=train_dataset, data_collator=PaddingCollator())
     trainer.counter = HeadRowCounter(model.get_output_embeddings())
     stats = fused_into_grad.STATS = fused_into_grad.IntoGradStats()  # this run's counts only
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     counter = trainer.counter
     summary = {
         "global_step": result.global_step,

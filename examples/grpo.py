@@ -98,7 +98,7 @@ def build_trainer(argv: list[str] | None = None) -> GradAccGRPOTrainer:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     trainer = build_trainer(argv)
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     summary = {"steps": result.global_step, "train_loss": result.training_loss, **(logs[-1] if logs else {})}
     if trainer.is_world_process_zero():

@@ -58,7 +58,7 @@ def train(argv: list[str] | None = None) -> tuple[dict[str, float], GradAccTrain
         compute_metrics=accuracy,
         callbacks=[TokenStatsCallback()],  # logs the effective batch and samples/s of each step
     )
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = trainer.evaluate()
     (batchnorm,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, BatchNormCallback)]
     summary = {

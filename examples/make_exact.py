@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     if script_args.make_exact:
         make_exact(trainer, **dataclasses.asdict(knobs))  # in place, before train()
 
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     log = next((entry for entry in reversed(trainer.state.log_history) if "loss" in entry), {})
     summary = {"steps": result.global_step, "trainer": type(trainer).__name__, **log}
     if trainer.is_world_process_zero():

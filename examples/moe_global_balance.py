@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 print(f"router_balance={rule!r} at {split}: router weights {error:.1e} from the global-batch loss")
     model = build_tiny_moe("mixtral", seed=config.seed, router_aux_loss_coef=script.router_aux_loss_coef)
     trainer = GradAccTrainer(model=model, args=config, train_dataset=dataset, data_collator=PaddingCollator())
-    trained = trainer.train()
+    trained = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     load = [log["moe/load_max_over_mean"] for log in trainer.state.log_history if "moe/load_max_over_mean" in log]
     last = load[-1] if load else float("nan")  # logged every `logging_steps`
     print(f"trained {trainer.state.global_step} steps, train loss {trained.training_loss:.4f}, "

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_dataset=problem.dataset(samples, seed=args.seed + 1),
         callbacks=[callback],
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     history = callback.history
     run_grad_sq = sum(s.grad_sq for s in history) / max(len(history), 1)
     run_trace = sum(s.trace for s in history) / max(len(history), 1)

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     trainer = CountingTrainer(model=model, args=args, train_dataset=train_dataset, data_collator=PaddingCollator())
     trainer.counter = TokenCounter()
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     summary = {
         "global_step": result.global_step,
         "train_loss": result.training_loss,

@@ -128,7 +128,7 @@ def build_trainer(argv: list[str] | None = None) -> GradAccSFTTrainer:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     trainer = build_trainer(argv)
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     trainer.save_model()  # the adapter (adapter_model.safetensors), or the model with --use_peft false, in output_dir
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     summary = {"steps": result.global_step, "output_dir": trainer.args.output_dir, **(logs[-1] if logs else {})}

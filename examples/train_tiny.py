@@ -42,7 +42,7 @@ def main() -> None:
     trainer = GradAccTrainer(
         model=model, args=training_args, train_dataset=train_dataset, data_collator=PaddingCollator()
     )
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # as run_clm.py does
     if trainer.is_world_process_zero():
         print(f"trained {result.global_step} steps, final train_loss {result.training_loss:.4f}")
     trainer.end()  # destroys the process group; safe at exit on CPU (gloo) ranks

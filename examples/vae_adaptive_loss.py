@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_dataset=BlobDataset(script_args.num_samples, seed=args.seed),
         callbacks=[GradNormCallback(depth=1)],
     )
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     logged = [h for h in trainer.state.log_history if "loss/reconstruction" in h]
     summary = {
         "steps": float(result.global_step),

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = GradAccTrainer(model=model, args=config, train_dataset=dataset,
                              data_collator=LossWeightsCollator(PaddingCollator()))  # fmt: skip
     initial = copy.deepcopy(model.state_dict())
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     changed = any(not torch.equal(initial[k], v) for k, v in model.state_dict().items())
     print(f"trained {trainer.state.global_step} steps, weighted train loss {result.training_loss:.4f}")
     return {"relative_error": error, "steps": trainer.state.global_step, "train_loss": result.training_loss,

@@ -378,6 +378,13 @@ class GradAccMixin:
         that cannot be resumed is refused, naming the missing or broken file, and so is one saved with a data layout
         that cannot be carried over (dataset, seed, regrouping: samples lost or repeated). A changed batch size, GA,
         schedule or world size resumes at the recorded position, re-batched in this run's layout."""
+        if resume_from_checkpoint is None and self.args.resume_from_checkpoint not in (None, ""):
+            logger.warning(
+                f"`resume_from_checkpoint` ({self.args.resume_from_checkpoint!r}) is set in the training arguments "
+                "but `train()` was called without it: the Trainer does not read that field, so training starts from "
+                "the beginning. Pass it as run_clm.py does: `trainer.train(resume_from_checkpoint="
+                "training_args.resume_from_checkpoint)`."
+            )
         plan = self.step_engine.plan
         resume_from_checkpoint, plan.resume_point = resolve_resume(
             resume_from_checkpoint,

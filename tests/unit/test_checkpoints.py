@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from hf_gradacc import GradAccConfig, GradAccConfigError, GradAccTrainer
 from hf_gradacc import checkpoints as ckpt
@@ -457,3 +458,32 @@ def test_resume_true_agrees_on_the_checkpoint_by_content_too(saved, monkeypatch)
     monkeypatch.setattr(ckpt, "_gathered", lambda value: [value, value])  # the same checkpoint on both disks
     path, _ = ckpt.resolve_resume(True, args=args, layout=dict, mismatch="accept", blocker=None)  # layout: not judged
     assert path == newest
+
+
+def test_the_resume_field_set_but_not_passed_to_train_is_a_warning(saved, tmp_path, caplog) -> None:
+    """`TrainingArguments.resume_from_checkpoint` is never read by the Trainer (scripts pass it to `train()`): set and
+    not passed, training starts over, so it warns naming the value and run_clm.py's call; passed, no warning."""
+    out, _ = saved
+    folder = os.path.join(out, "checkpoint-2")
+    class Trained(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    with caplog.at_level(logging.WARNING):
+        trainer = _trainer(str(tmp_path / "a"), resume_from_checkpoint=folder, save_strategy="no")
+        trainer.add_callback(trained := Trained())
+        trainer.train()
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert f"`resume_from_checkpoint` ('{folder}') is set" in message and "starts from the beginning" in message
+    assert "trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)" in message, message
+    assert trained.steps == list(range(1, STEPS + 1))  # it did start over: the warning is true
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        trainer = _trainer(str(tmp_path / "b"), resume_from_checkpoint=folder, save_strategy="no")
+        trainer.add_callback(resumed := Trained())
+        trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    assert "starts from the beginning" not in " ".join(r.getMessage() for r in caplog.records)
+    assert resumed.steps == list(range(3, STEPS + 1))  # resumed: step 3 is the first one trained

@@ -169,3 +169,33 @@ def test_fused_lm_head_example_gives_the_full_logits_update_on_counted_rows_only
     update_fused, update_full = fused["parameters"] - start, full["parameters"] - start
     assert float(update_full.norm()) > 0
     assert float((update_fused - update_full).norm() / update_full.norm()) <= 1e-5
+
+
+def _train_tiny(output_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, str(ROOT / "examples" / "train_tiny.py"), "--output_dir", str(output_dir),
+           "--max_steps", "4", "--save_steps", "2", "--per_device_train_batch_size", "2",
+           "--gradient_accumulation_steps", "4", "--learning_rate", "0.01", "--report_to", "none", "--use_cpu", "true",
+           "--disable_tqdm", "true", *extra]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_train_tiny_resumes_from_its_resume_from_checkpoint_flag(tmp_path: Path) -> None:
+    """`--resume_from_checkpoint` reaches `trainer.train` (as run_clm.py passes it; the Trainer itself never reads the
+    field): resumed from checkpoint-2, the run trains steps 3 and 4 only and ends on the uninterrupted run's weights."""
+    from safetensors.torch import load_file
+
+    from hf_gradacc.testing.tiny import build_tiny_model
+
+    _train_tiny(tmp_path / "a")
+    out = _train_tiny(tmp_path / "b", "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-2"))
+    assert "training starts from the beginning" not in out.stderr, out.stderr[-3000:]
+    assert not (tmp_path / "b" / "checkpoint-2").exists()  # steps 1 and 2 were not trained again
+    a = load_file(str(tmp_path / "a" / "checkpoint-4" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "checkpoint-4" / "model.safetensors"))
+    start = build_tiny_model("causal_lm").state_dict()
+    num = sum(float((b[n] - a[n]).pow(2).sum()) for n in a)
+    den = sum(float((a[n] - start[n]).pow(2).sum()) for n in a)
+    assert den > 0 and (num / den) ** 0.5 <= 1e-5, (num / den) ** 0.5
