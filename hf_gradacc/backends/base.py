@@ -187,7 +187,7 @@ class Backend:
     def full_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Every parameter of ``model``, whole, detached, on the CPU (a collective on sharded backends: call on every
         rank). Takes the model so that it also serves trainers this backend was never bound to (the stock one)."""
-        module = self.accelerator.unwrap_model(model)
+        module = self.accelerator.unwrap_model(model, keep_torch_compile=False)  # names without `_orig_mod.`
         return {n: p.detach().cpu() for n, p in module.named_parameters()}
 
     # ---- gradient access (valid between the final backward pass and the optimizer step)

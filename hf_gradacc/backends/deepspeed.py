@@ -639,7 +639,7 @@ class DeepSpeedBackend(Backend):
             optimizer.step()
 
     def full_parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        module = self.accelerator.unwrap_model(model)
+        module = self.accelerator.unwrap_model(model, keep_torch_compile=False)
         if self.zero_stage != 3:
             return {n: p.detach().cpu() for n, p in module.named_parameters()}
         import deepspeed
