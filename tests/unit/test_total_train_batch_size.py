@@ -190,3 +190,21 @@ def test_a_zero_checkpoint_on_another_world_is_refused_naming_the_universal_chec
     converted = _zero_checkpoint(tmp_path / "converted", ranks=2, universal=True)
     assert zero_resume_problem(converted, data_ranks=1, config=universal) is None
     assert zero_resume_problem(str(tmp_path), data_ranks=1, config=stage2) is None  # no DeepSpeed state
+    stage3 = zero_resume_problem(folder, data_ranks=3, config={"zero_optimization": {"stage": 3}})
+    assert stage3 is not None and "its DeepSpeed ZeRO-3 parameters and optimizer state are partitioned" in stage3
+
+
+def test_a_step_counter_shared_by_two_parameters_is_copied() -> None:
+    """DeepSpeed 0.19.8's ZeRO-3 universal load puts one ``step`` tensor into every sub-group's state; torch's AdamW
+    adds 1 to it in place per parameter. After the repair each parameter counts its own steps."""
+    from hf_gradacc.backends.deepspeed import unshare_step_counters
+
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.AdamW([{"params": [p]}, {"params": [q], "weight_decay": 0.0}], lr=0.1)
+    optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+    optimizer.state[q] = {"step": optimizer.state[p]["step"], "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
+    assert unshare_step_counters(optimizer) == 1
+    assert unshare_step_counters(optimizer) == 0  # idempotent
+    p.grad, q.grad = torch.ones(3), torch.ones(2)
+    optimizer.step()
+    assert [float(optimizer.state[x]["step"]) for x in (p, q)] == [2.0, 2.0]

@@ -64,7 +64,13 @@ class SampleRecorder(GradAccCallback):
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
-    """The whole parameter: an FSDP2 shard (DTensor) gathered (a collective: every rank, the same order)."""
+    """The whole parameter: an FSDP2 shard (DTensor) or a ZeRO-3 partition gathered (a collective: every rank, the
+    same order)."""
+    if hasattr(param, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param]):
+            return param.detach().clone()
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
@@ -169,6 +175,22 @@ BACKENDS: dict[str, dict[str, Any]] = {
         "adam_epsilon": 1e-3,
     },
 }
+# ZeRO-3 as examples/accelerate_configs/zero3_cpu.yaml sets it (no offload, the 16-bit model gathered at save); the
+# same AdamW as ZeRO-2. The arguments are built before the model: transformers partitions it at construction.
+_ZERO3 = {"stage": 3, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"},
+          "stage3_gather_16bit_weights_on_model_save": True}  # fmt: skip
+BACKENDS["zero3"] = {
+    **BACKENDS["zero2"],
+    "deepspeed": {"zero_optimization": _ZERO3, "zero_allow_untested_optimizer": True},
+}
+BACKENDS["zero3_universal"] = {
+    **BACKENDS["zero2"],
+    "deepspeed": {
+        "zero_optimization": _ZERO3,
+        "zero_allow_untested_optimizer": True,
+        "checkpoint": {"load_universal": True},
+    },
+}
 
 
 def backend_arguments(backend: str) -> dict[str, Any]:
@@ -178,7 +200,7 @@ def backend_arguments(backend: str) -> dict[str, Any]:
         from hf_gradacc.patches.fsdp_cpu import enable_fsdp_on_cpu
 
         enable_fsdp_on_cpu()
-    if backend.startswith("zero2"):
+    if backend.startswith("zero"):
         from hf_gradacc.patches import enable_cpu_distributed
 
         enable_cpu_distributed()
