@@ -1,7 +1,9 @@
 """Elastic and preemptible causal-LM training, shaped like transformers' run_clm.py: every (re)start resumes from the
 last complete checkpoint of `--output_dir`, on however many processes are there.
 
-    # torchrun elastic: 1 to 2 nodes, restarted up to 3 times (a node lost or added restarts every worker)
+    # torchrun elastic: 1 to 2 nodes, restarted up to 3 times (a node lost or added restarts every worker; a node
+    # that joins needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 with torch 2.13, docs/elastic.md says why)
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     torchrun --nnodes 1:2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint $HOST:29400 --rdzv-id job1 \
         --max-restarts 3 examples/elastic_clm.py --output_dir out --save_steps 2 --save_on_preemption true \
         --ddp_timeout 60 --use_cpu true --max_steps 20
@@ -9,7 +11,8 @@ last complete checkpoint of `--output_dir`, on however many processes are there.
     python examples/elastic_clm.py --output_dir out --save_steps 2 --save_on_preemption true --max_steps 20
 
 docs/elastic.md has the SLURM, submitit, Kubernetes and SkyPilot recipes around it; tests/distributed/
-test_elastic.py runs the torchrun line on one host with one of two agents killed.
+test_elastic.py runs the torchrun line on one host with one of two agents killed, and with a second agent joining one
+that started alone.
 
 What it does, as run_clm.py does: HfArgumentParser over a ModelArguments dataclass and hf_gradacc's GradAccConfig
 (every TrainingArguments and hf_gradacc field is a flag), `get_last_checkpoint(output_dir)`, a `datasets.Dataset`

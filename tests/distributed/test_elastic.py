@@ -6,6 +6,11 @@ restarts it on a world of 1, the restarted worker resumes from the newest comple
 Both runs hold ``--total_train_batch_size 8`` (GA 2 on 2 processes, 4 after the restart on 1): the elastic run ends on
 the weights of the same command run uninterrupted on 2 processes, within 1e-5 of the parameter change
 (:func:`assert_equals_uninterrupted_run`).
+
+The world growing back (:func:`test_torchrun_elastic_grows_back`): agent 0 starts alone (world 1, GA 4), a second
+agent joins after checkpoint-2, torchrun restarts the worker (SIGTERM: ``save_on_preemption`` saves and exits 0) and
+the world of 2 (GA 2) resumes from that save and ends on the same uninterrupted run's weights (one reference run for
+the module: the ``uninterrupted`` fixture).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_clm.py"
 DDP_TIMEOUT_S = 30
-MAX_STEPS = 4
+MAX_STEPS = 6
 DEADLINE_S = 110.0
 # what the survivor stops with: the library's error, wherever its collective was (a step's, or the Trainer's own log
 # gather: `GradAccMixin.train` names it too), with torch's as the cause
@@ -37,18 +42,27 @@ SURVIVOR_ERROR = "GradAccDistributedError"
 TOLERANCE = 1e-5
 
 
-def _agent(index: int, port: int, out: Path, log: Path) -> subprocess.Popen:
+def _agent(
+    index: int,
+    port: int,
+    out: Path,
+    log: Path,
+    *,
+    max_restarts: int = 1,
+    seconds_per_step: float = 1.0,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
     """One torchrun agent, the docs' command line; agent 0 hosts the rendezvous store (``is_host``), so killing
     agent 1 takes no store down. Short keep-alives let the survivor drop the dead node in seconds."""
     rdzv_conf = f"is_host={int(index == 0)},join_timeout=60,last_call_timeout=5,keep_alive_interval=1"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"elastic-{port}",
-        "--rdzv-conf", rdzv_conf, "--max-restarts", "1", "--monitor-interval", "0.5",
-        str(EXAMPLE), *_script_args(out), "--seconds_per_step", "1.0",
+        "--rdzv-conf", rdzv_conf, "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
+        str(EXAMPLE), *_script_args(out), "--seconds_per_step", str(seconds_per_step),
     ]  # fmt: skip
     return subprocess.Popen(
-        command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=launch_env(extra={"LOGLEVEL": "INFO"}),
+        command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=launch_env(extra={"LOGLEVEL": "INFO", **(env or {})}),
         start_new_session=True,
     )
 
@@ -88,7 +102,16 @@ def assert_equals_uninterrupted_run(run_dir: Path, uninterrupted_dir: Path, init
     assert (diff / change) ** 0.5 <= TOLERANCE
 
 
-def test_torchrun_elastic_survives_a_lost_node() -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same command, uninterrupted on 2 processes (torchrun, no elastic range): the reference of both elastic
+    runs, run once per module."""
+    out = tmp_path_factory.mktemp("elastic_uninterrupted")
+    run_workers(EXAMPLE, nproc=2, args=_script_args(out / "run"), method="torchrun", timeout=180, out_dir=out)
+    return out / "run"
+
+
+def test_torchrun_elastic_survives_a_lost_node(uninterrupted: Path) -> None:
     out = Path(tempfile.mkdtemp(prefix="hf_gradacc_elastic_"))
     run = out / "run"
     logs = [out / "agent0.log", out / "agent1.log"]
@@ -133,8 +156,6 @@ def test_torchrun_elastic_survives_a_lost_node() -> None:
     assert first["gradient_accumulation_steps"] == 2 and restart["gradient_accumulation_steps"] == 4, records
 
     # the same command, uninterrupted on 2 processes: the elastic run trained the same samples in every step
-    uninterrupted = out / "uninterrupted"
-    run_workers(EXAMPLE, nproc=2, args=_script_args(uninterrupted), method="torchrun", timeout=180, out_dir=out)
     assert_equals_uninterrupted_run(run, uninterrupted, run / "tiny_model")
 
 
@@ -148,3 +169,70 @@ def test_the_exactness_assertion_can_fail(tmp_path: Path) -> None:
     assert_equals_uninterrupted_run(tmp_path / "a", tmp_path / "a", tmp_path / "init")
     with pytest.raises(AssertionError):
         assert_equals_uninterrupted_run(tmp_path / "a", tmp_path / "b", tmp_path / "init")
+
+
+# the growth case: agent 1, started once checkpoint-2 is complete, is seen by agent 0 ~1 s later (during step 3); the
+# worker then stops at the next agreed step boundary (3 or 4: step 3's agreement may be past), before MAX_STEPS
+GROW_SECONDS_PER_STEP = 3.0
+GROW_DEADLINE_S = 90.0
+# torch 2.13's c10d rendezvous shares the agent's TCPStore with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0, its
+# default) and publishes the workers' MASTER_ADDR / MASTER_PORT only on a node's first rendezvous: on a join, the
+# running rank-0 agent never writes them for the new round, and both agents wait for each other until the store
+# times out (measured: no progress in 45 s, in the store `get` of the joiner and the rank-0 agent's `multi_get`). With
+# 1, every round publishes its own; the growth case needs it.
+NO_SHARED_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def test_torchrun_elastic_grows_back(uninterrupted: Path) -> None:
+    """Agent 0 starts alone (``--nnodes 1:2``: world 1, GA 4); after its checkpoint-2 a second agent joins. torchrun's
+    running agent sees the waiting node (``num_nodes_waiting``, polled every ``--monitor-interval``) and restarts
+    its worker: a SIGTERM, on which the worker saves at the end of its step (``save_on_preemption``) and exits 0; a
+    membership change costs none of ``--max-restarts`` (0 here). The world of 2 resumes from that checkpoint with
+    GA 2 and ends on the uninterrupted 2-process run's weights within 1e-5. Both agents run with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (:data:`NO_SHARED_STORE`: without it the join hangs)."""
+    out = Path(tempfile.mkdtemp(prefix="hf_gradacc_elastic_grow_"))
+    run = out / "run"
+    logs = [out / "agent0.log", out / "agent1.log"]
+    port = find_free_port()
+    began = time.monotonic()
+    deadline = began + GROW_DEADLINE_S
+    pace = {"max_restarts": 0, "seconds_per_step": GROW_SECONDS_PER_STEP, "env": NO_SHARED_STORE}
+    agents = [_agent(0, port, run, logs[0], **pace)]
+    try:
+        _wait("checkpoint-2", lambda: (run / "checkpoint-2" / COMPLETE_NAME).exists(), deadline, logs)
+        joining = time.monotonic()
+        agents.append(_agent(1, port, run, logs[1], **pace))
+
+        def grown() -> bool:
+            return any(r["event"] == "start" and r["world_size"] == 2 for r in _records(run))
+
+        _wait("the restart on world 2", grown, deadline, logs)
+        regrown = time.monotonic()
+        for agent in agents:
+            agent.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finished = time.monotonic()
+    finally:
+        for agent in agents:
+            kill_tree(agent)
+
+    texts = [log.read_text() for log in logs]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(t[-6000:] for t in texts)
+    assert "new nodes from group_rank=0; will restart worker group" in texts[0], texts[0][-6000:]
+    records = _records(run)
+    print(  # the measured times (pytest -s)
+        f"grow: checkpoint-2 at {joining - began:.1f} s, world 2 started {regrown - joining:.1f} s after agent 1 was "
+        f"launched, finished at {finished - began:.1f} s; records {records}"
+    )
+    assert [r["event"] for r in records] == ["start", "preempted", "start", "finished"], records
+    first, preempted, grown_start, last = records
+    assert first["world_size"] == 1 and first["resumed_from"] is None and first["gradient_accumulation_steps"] == 4
+    # the worker stopped at a step boundary after checkpoint-2 and saved it; the world of 2 resumed exactly there
+    assert preempted["preempted"] and 2 < preempted["global_step"] < MAX_STEPS, records
+    assert grown_start["world_size"] == 2 and grown_start["gradient_accumulation_steps"] == 2, records
+    assert grown_start["resumed_from"] == f"checkpoint-{preempted['global_step']}", records
+    assert grown_start["restart"] == first["restart"] == 0, records  # a membership change is not a restart attempt
+    assert last["global_step"] == MAX_STEPS and not last["preempted"], records
+    assert finished - began < GROW_DEADLINE_S
+
+    # no sample lost or repeated: every step trained the uninterrupted run's samples
+    assert_equals_uninterrupted_run(run, uninterrupted, run / "tiny_model")
