@@ -111,12 +111,15 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "run"
 
 
+def _fresh_run(prefix: str) -> tuple[Path, Path, list[Path], int, float]:
+    """A new folder for one elastic job: the folder, its run's output_dir, the two agents' logs, a free rendezvous
+    port, and the time it began."""
+    out = Path(tempfile.mkdtemp(prefix=prefix))
+    return out, out / "run", [out / "agent0.log", out / "agent1.log"], find_free_port(), time.monotonic()
+
+
 def test_torchrun_elastic_survives_a_lost_node(uninterrupted: Path) -> None:
-    out = Path(tempfile.mkdtemp(prefix="hf_gradacc_elastic_"))
-    run = out / "run"
-    logs = [out / "agent0.log", out / "agent1.log"]
-    port = find_free_port()
-    began = time.monotonic()
+    _, run, logs, port, began = _fresh_run("hf_gradacc_elastic_")
     deadline = began + DEADLINE_S
     agents = [_agent(0, port, run, logs[0])]
     try:
@@ -190,11 +193,7 @@ def test_torchrun_elastic_grows_back(uninterrupted: Path) -> None:
     membership change costs none of ``--max-restarts`` (0 here). The world of 2 resumes from that checkpoint with
     GA 2 and ends on the uninterrupted 2-process run's weights within 1e-5. Both agents run with
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (:data:`NO_SHARED_STORE`: without it the join hangs)."""
-    out = Path(tempfile.mkdtemp(prefix="hf_gradacc_elastic_grow_"))
-    run = out / "run"
-    logs = [out / "agent0.log", out / "agent1.log"]
-    port = find_free_port()
-    began = time.monotonic()
+    _, run, logs, port, began = _fresh_run("hf_gradacc_elastic_grow_")
     deadline = began + GROW_DEADLINE_S
     pace = {"max_restarts": 0, "seconds_per_step": GROW_SECONDS_PER_STEP, "env": NO_SHARED_STORE}
     agents = [_agent(0, port, run, logs[0], **pace)]
