@@ -539,5 +539,4 @@ class Counter:
             counts = replace(counts, num_seen_tokens=seen)
         # a context shard or a Ulysses slice holds part of every row of the micro-batch: its rows are counted once over
         # the group, on its first rank (the tokens of each slice add up over the group)
-        sliced = cp is not None and (sharded or cp.sp_size > 1)
-        return replace(counts, num_samples=0) if sliced and (cp.rank, cp.sp_rank) != (0, 0) else counts
+        return replace(counts, num_samples=0) if cp is not None and (cp.rank, cp.sp_rank) != (0, 0) else counts

@@ -464,6 +464,8 @@ class GradAccMixin:
         engine, args = self.step_engine, self.args
         if epoch == epochs_trained:
             engine.begin_training(model, self.optimizer)
+            if resume_from_checkpoint is not None:
+                self.backend.after_resume_load()  # the backend has bound the loaded model
         resuming = epoch == epochs_trained and resume_from_checkpoint is not None
         skip = steps_trained_in_current_epoch if resuming and not args.ignore_data_skip else 0
         # Where the epoch stands in samples of its order (None: not a prefix of it), recorded by each checkpoint.

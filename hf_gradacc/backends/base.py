@@ -90,6 +90,10 @@ class Backend:
         cannot load on this run's ranks (every rank takes the same verdict). Nothing to check here: DDP and FSDP2
         checkpoints (full state dicts, or torch DCP) load on any number of processes."""
 
+    def after_resume_load(self) -> None:
+        """Called once after the Trainer loaded a resumed checkpoint, before the first step: mend what the backend's
+        own load got wrong. Nothing here (DDP and FSDP2 load as saved)."""
+
     def kind(self) -> str:
         """Short name of the distributed setup, e.g. ``MULTI_CPU``, ``DeepSpeed ZeRO-2``, ``FSDP2``."""
         return str(self.accelerator.state.distributed_type).split(".")[-1]

@@ -352,6 +352,13 @@ class DeepSpeedBackend(Backend):
                 or f"Resuming {folder!r} with DeepSpeed is refused on another rank (its checkpoint files differ)."
             )
 
+    def after_resume_load(self) -> None:
+        """DeepSpeed's ZeRO-3 universal-checkpoint load shares one Adam ``step`` counter between parameter groups
+        (:func:`unshare_step_counters`): each group gets its own copy, once, before the first step."""
+        basic = getattr(self._bound().optimizer, "optimizer", None)
+        if basic is not None and (copied := unshare_step_counters(basic)):
+            logger.info(f"DeepSpeed's checkpoint load shared one Adam step counter between groups: {copied} copied.")
+
     def check_model(self, model: torch.nn.Module) -> None:
         """Under Ulysses sequence parallelism, only token-level causal LMs: DeepSpeed's adapter cuts every batch
         tensor along the sequence, so a sequence-level head's one label per row cannot be sharded (its
@@ -650,9 +657,6 @@ class DeepSpeedBackend(Backend):
         # Without the boundary flag engine.step() silently skips the update (coalesce_grad_reduction restores the
         # flag it found on entry, and the first micro-batch set it to False).
         engine.set_gradient_accumulation_boundary(True)
-        basic = getattr(engine.optimizer, "optimizer", None)
-        if basic is not None and unshare_step_counters(basic):
-            logger.info_once("DeepSpeed's ZeRO-3 universal checkpoint load shared one Adam step counter: copied.")
         # The engine steps its LR scheduler inside engine.step(); a scaled rate must be put back BEFORE the
         # scheduler moves (it may compute from the current rate), so the scheduler is held out and stepped here.
         scheduler = engine.lr_scheduler if lr_factor != 1.0 else None

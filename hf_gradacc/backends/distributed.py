@@ -58,12 +58,19 @@ def is_collective_failure(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(text in str(error) for text in COLLECTIVE_FAILURES)
 
 
+def _lost_peer(args: Any) -> str:
+    """What every failed collective's error says happened."""
+    return (
+        f"a collective got no answer within `ddp_timeout` ({args.ddp_timeout} s) or lost its peer; another rank "
+        "froze, died or failed"
+    )
+
+
 def collective_failure(step: int, micro_batch: int | None, args: Any) -> GradAccDistributedError:
     """The error that replaces a failed collective: which optimizer step, micro-batch and rank, and why."""
     where = "" if micro_batch is None else f", micro-batch {micro_batch + 1}"
     return GradAccDistributedError(
-        f"Optimizer step {step}{where} on rank {args.process_index}: a collective got no answer within `ddp_timeout` "
-        f"({args.ddp_timeout} s) or lost its peer; another rank froze, died or failed (see its log)."
+        f"Optimizer step {step}{where} on rank {args.process_index}: {_lost_peer(args)} (see its log)."
     )
 
 
@@ -72,8 +79,7 @@ def failure_outside_step(step: int, args: Any) -> GradAccDistributedError:
     own (the logged loss's gather, evaluation, the end of training) or a callback's, after optimizer ``step``."""
     return GradAccDistributedError(
         f"After optimizer step {step} on rank {args.process_index}, outside the step (the Trainer's logging, "
-        f"evaluation or a callback): a collective got no answer within `ddp_timeout` ({args.ddp_timeout} s) or lost "
-        "its peer; another rank froze, died or failed (see its log). Restart from the last complete checkpoint with "
+        f"evaluation or a callback): {_lost_peer(args)} (see its log). Restart from the last complete checkpoint with "
         "`resume_from_checkpoint=True` (torchrun elastic and Ray Train restart the workers themselves: "
         "docs/elastic.md)."
     )
@@ -88,11 +94,9 @@ def save_failure(step: int, folder: str, previous: str | None, args: Any) -> Gra
         else "none: this rank's disk holds no complete older checkpoint, so start without `resume_from_checkpoint`"
     )
     return GradAccDistributedError(
-        f"Saving the checkpoint of optimizer step {step} on rank {args.process_index}: a collective got no answer "
-        f"within `ddp_timeout` ({args.ddp_timeout} s) or lost its peer; another rank froze, died or failed while "
-        "saving "
-        f"(see its log: a full disk, a kill). {folder} is left incomplete (no hf_gradacc_complete.json); the next "
-        f"`resume_from_checkpoint=True` passes it over and takes {then}."
+        f"Saving the checkpoint of optimizer step {step} on rank {args.process_index}: {_lost_peer(args)} while "
+        f"saving (see its log: a full disk, a kill). {folder} is left incomplete (no hf_gradacc_complete.json); the "
+        f"next `resume_from_checkpoint=True` passes it over and takes {then}."
     )
 
 
